@@ -67,6 +67,8 @@ def test_foreach_intermediates_at_an_optimizer_peak_are_fused_away(tmp_path, glo
     p = f.predicted
     assert p.peak_bytes_before - f.evidence["temporaries_bytes"] <= p.peak_bytes_after < p.peak_bytes_before, p
     assert "group['foreach'], group['fused'] = False, True" in f.recommendation.code
+    # the state is 40% of that peak: its bf16 lever, a numerics trade-off, names the fused step first
+    assert "First, with no such trade-off: AdamW's fused step" in found["optim.state_dominates"].recommendation.text
     fixed, fixed_losses = _run(tmp_path / "fused", f.recommendation.code)
     after, found_after = _findings(fixed)
     assert fixed_losses == pytest.approx(losses, rel=1e-6, abs=1e-7)

@@ -313,6 +313,7 @@ class OptimizerStateDominates(Rule):
     description = "Optimizer state is the largest part of a peak that is close to capacity."
     needs = ("memory",)
     severities = ("warning",)
+    last = True  # (names optim.foreach_temporaries' lever first where it fired: ctx.earlier)
 
     def match(self, ctx: Context):
         peak, cap = E.peak_bytes(ctx), E.capacity_bytes(ctx)
@@ -331,6 +332,10 @@ class OptimizerStateDominates(Rule):
         # gradients, and, where they were fp32, the gathered parameters and the activations computed from them
         # (halving the state alone predicted 3.38 MiB where the rerun measured 2.25 MiB)
         saved = sum(bd.get(k) or 0 for k in _halved_by_bf16(E.param_units(ctx))) / 2
+        fused = next((f for f in ctx.earlier if f.code == "optim.foreach_temporaries"), None)
+        first = (f" First, with no such trade-off: {opt}'s fused step (optim.foreach_temporaries) takes "
+                 f"{fmt_bytes(fused.evidence['temporaries_bytes'])} of foreach intermediates off this peak."
+                 if fused is not None else "")
         return [self.finding(
             "warning", f"{opt} state is {fmt_share(st / peak)} of a peak at {fmt_share(peak / cap)} of capacity",
             {"optimizer": opt, "optimizer_state_bytes": st, "peak_bytes": peak, "capacity_bytes": cap,
@@ -343,7 +348,7 @@ class OptimizerStateDominates(Rule):
             "keeps 8 bits of mantissa, so an update smaller than about |w|/256 is rounded away (norm weights near "
             "1.0 stop moving at lr 1e-3; FSDP2 wants one dtype per unit, so they cannot stay fp32 alone) unless "
             "the optimizer rounds stochastically (torchao's AdamW with bf16_stochastic_round=True). Compare the "
-            "loss curve against this run's before keeping it.",
+            "loss curve against this run's before keeping it." + first,
             "# bf16 parameters and optimizer state, fp32 reduce: halves them, and rounds away updates smaller than "
             "about |w|/256 (norm weights near 1.0 stop moving at lr 1e-3): compare the loss against this run's\n"
             "model.to(torch.bfloat16)\n"
