@@ -62,12 +62,13 @@ OPT_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimi
 
 # ------------------------------------------------------------------------------------------------ models
 def llama_config(width: int = 64, **kw):
-    """The cases' tiny HF Llama: 2 layers, 4 heads over 2 KV heads, ``width`` wide (its MLP twice that)."""
+    """The cases' tiny HF Llama: 2 layers (unless ``kw`` says), 4 heads over 2 KV heads, ``width`` wide (its MLP
+    twice that)."""
     from transformers import LlamaConfig
 
-    kw = {"max_position_embeddings": 2 * SEQ, **kw}
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, **kw)
+    kw = {"max_position_embeddings": 2 * SEQ, "num_hidden_layers": 2, **kw}
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=width, intermediate_size=2 * width, num_attention_heads=4,
+                       num_key_value_heads=2, **kw)
 
 
 def llama(param_dtype=None, checkpointing: bool = False):
@@ -729,7 +730,9 @@ def run_accelerate_fixes(out: Path) -> dict:
     mixed_precision="bf16" (its policy reduces in bfloat16), rerun with numerics.reduce_dtype's fix; a Llama whose
     activations dominate (width 128, 256 tokens a sequence) under a budget 5% above its peak, rerun with
     ac.recommended's fix; no wrap policy (the decoder layers left in the root), rerun with wrap.params_in_root's
-    fix. Each run: 5 steps of one micro-batch; the report's findings as in run_trainer_fixes."""
+    fix; AdamW's foreach step at a peak 5% under its budget, rerun with optim.foreach_temporaries' fix, which goes on
+    the optimizer prepare() returned (accelerate's wrapper). Each run: 5 steps of one micro-batch; the report's
+    findings as in run_trainer_fixes."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
     from transformers import LlamaForCausalLM
@@ -739,7 +742,7 @@ def run_accelerate_fixes(out: Path) -> dict:
     res = {}
 
     def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ,
-            wrap="transformer_based_wrap"):
+            wrap="transformer_based_wrap", foreach=None, layers=2):
         AcceleratorState._reset_state()  # a new Accelerator per run (the process group stays)
         acc = Accelerator(cpu=True, mixed_precision=mixed)
         plugin = FullyShardedDataParallelPlugin(
@@ -749,10 +752,14 @@ def run_accelerate_fixes(out: Path) -> dict:
             plugin.set_mixed_precision(mixed)
         force_fsdp(acc.state, plugin)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq)))
-        if fix:  # where it says: with the Accelerator built, before accelerator.prepare(model) (the model built)
+        model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq),
+                                              num_hidden_layers=layers))
+        on_opt = fix is not None and "optimizer.param_groups" in fix  # (where "optimizer": after prepare)
+        if fix and not on_opt:  # where it says: with the Accelerator built, before accelerator.prepare(model)
             exec(compile(fix, f"<{name} fix>", "exec"), {"accelerator": acc, "model": model})
-        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach))
+        if on_opt:  # on the optimizer the user holds: accelerate's AcceleratedOptimizer
+            exec(compile(fix, f"<{name} fix>", "exec"), {"optimizer": opt, "torch": torch})
         data = _Tokens(STEPS * 2, 0, seq=seq)
         with fsdp_doctor.watch(model, opt, out_dir=str(out / name), profile=False, capacity_bytes=capacity) as doc:
             for step in range(STEPS):
@@ -769,7 +776,11 @@ def run_accelerate_fixes(out: Path) -> dict:
                                   ("bf16", "numerics.reduce_dtype", {"mixed": "bf16"}),
                                   ("tight", "ac.recommended", {"width": 128, "seq": 256}),
                                   # no wrap policy: the decoder layers stay in the root
-                                  ("nowrap", "wrap.params_in_root", {"wrap": "no_wrap"})])
+                                  ("nowrap", "wrap.params_in_root", {"wrap": "no_wrap"}),
+                                  # AdamW foreach (CUDA's default; asked for on the CPU), 8 layers: the step is the
+                                  # peak (with 2, a layer gathered in backward and its gradients are more)
+                                  ("tight_foreach", "optim.foreach_temporaries",
+                                   {"foreach": True, "layers": 8, "width": 256})])
 
 
 #: torch's tensor parallelism on an HF Llama's decoder layers (its module names): attention heads and the MLP's hidden

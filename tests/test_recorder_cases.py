@@ -477,6 +477,11 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
         assert "accelerator.state.fsdp_plugin.activation_checkpointing = True" in f["code"], f["code"]
         assert after["peak"] < 0.85 * before["peak"], (after["peak"], before["peak"])
         _wrap_fix(res, "accelerate")
+        # on the optimizer prepare() returned: its param_groups and state are the AdamW's inside
+        before, after, f = fixed_pair(res, "tight_foreach", "optim.foreach_temporaries", "optimizer", "accelerate")
+        assert "group['foreach'], group['fused'] = False, True" in f["code"], f["code"]
+        assert after["peak"] < before["peak"] and before["findings"][
+            "optim.foreach_temporaries"]["severity"] == "warning", (before["peak"], after["peak"])
 
 
 @pytest.fixture(scope="module")
