@@ -15,7 +15,7 @@ version, renames or removals bump it.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar, Optional, Union
 
 import msgspec
 
@@ -231,6 +231,10 @@ class OptimizerGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     params: int  # parameter tensors in the group
     options: dict[str, Union[float, list[float]]] = {}  # lr, weight_decay, betas, ...: numbers only
+    # the implementation switches the group holds, as it holds them ("foreach", "fused": True, False or None, torch's
+    # default for the device); {}: none (an optimizer without them, not torch's own Adam, AdamW, SGD or Adagrad; or
+    # records before this field)
+    flags: dict[str, Optional[bool]] = {}
 
 
 class Experts(msgspec.Struct, kw_only=True, omit_defaults=True):

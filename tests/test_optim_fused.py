@@ -12,7 +12,29 @@ from torch import nn
 _BLOCK = 4 * (256 * 256 + 256)
 
 
-def _run(out, fix: str = "", foreach: bool = True, copies: int = 5):
+class AdamW(torch.optim.Optimizer):
+    """An AdamW of another library's (bitsandbytes' is named so too): torch's foreach update through its functional
+    API, its groups without torch's implementation switches (no 'fused' to set)."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self):
+        from torch.optim.adam import adam
+
+        for g in self.param_groups:
+            ps = [p for p in g["params"] if p.grad is not None]
+            for p in ps:
+                if not self.state[p]:
+                    self.state[p] = {"m": torch.zeros_like(p), "v": torch.zeros_like(p), "step": torch.tensor(0.0)}
+            st = [self.state[p] for p in ps]
+            adam(ps, [p.grad for p in ps], [s["m"] for s in st], [s["v"] for s in st], [], [s["step"] for s in st],
+                 foreach=True, decoupled_weight_decay=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=g["lr"],
+                 weight_decay=0.01, eps=1e-8, maximize=False)
+
+
+def _run(out, fix: str = "", foreach: bool = True, copies: int = 5, opt_class=None):
     """The blocks sharded one unit each on one gloo rank, AdamW(foreach=``foreach``) with ``fix`` run on it as its
     code reads (``optimizer`` the user's); a budget 8% above ``copies`` of the parameters (in the optimizer step:
     parameters, gradients, 2 moments and the foreach intermediate): (run read back, losses)."""
@@ -25,7 +47,8 @@ def _run(out, fix: str = "", foreach: bool = True, copies: int = 5):
     for block in model:
         fully_shard(block)
     fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach)
+    optimizer = (opt_class(model.parameters(), lr=1e-3) if opt_class else
+                 torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach))
     if fix:
         exec(fix, {"optimizer": optimizer, "torch": torch})  # noqa: S102 (the fix as the doctor printed it)
     x, losses = torch.randn(2, 256), []
@@ -67,6 +90,7 @@ def test_foreach_intermediates_at_an_optimizer_peak_are_fused_away(tmp_path, glo
     p = f.predicted
     assert p.peak_bytes_before - f.evidence["temporaries_bytes"] <= p.peak_bytes_after < p.peak_bytes_before, p
     assert "group['foreach'], group['fused'] = False, True" in f.recommendation.code
+    assert run.ranks[0].config.optimizer_groups[0].flags == {"foreach": True, "fused": None}
     # the state is 40% of that peak: its bf16 lever, a numerics trade-off, names the fused step first
     assert "First, with no such trade-off: AdamW's fused step" in found["optim.state_dominates"].recommendation.text
     fixed, fixed_losses = _run(tmp_path / "fused", f.recommendation.code)
@@ -90,3 +114,16 @@ def test_a_looping_optimizer_step_is_left_alone(tmp_path, gloo_one_rank):
     assert "optim.foreach_temporaries" not in found
     (row,) = [r for r in statuses if r.code == "optim.foreach_temporaries"]
     assert (row.status, row.reason) == ("quiet", "the peak lies in_backward, not in the optimizer step"), row
+
+
+def test_another_librarys_adamw_is_not_told_to_fuse(tmp_path, gloo_one_rank):
+    """An optimizer of another library named AdamW (bitsandbytes' is), stepping foreach: the same intermediates at
+    the same peak, but its groups hold no 'fused' switch, which the fix would set for nothing. Quiet, and why."""
+    run, _ = _run(tmp_path / "other", opt_class=AdamW)
+    statuses = []
+    report, found = _findings(run, statuses)
+    assert report.memory.per_rank["0"].peak_at.phase == "in_optimizer"
+    assert run.ranks[0].config.optimizer == "AdamW" and run.ranks[0].config.optimizer_groups[0].flags == {}
+    assert "optim.foreach_temporaries" not in found
+    (row,) = [r for r in statuses if r.code == "optim.foreach_temporaries"]
+    assert row.status == "quiet" and row.reason.endswith("its groups hold no 'fused' switch: not torch's own"), row

@@ -47,9 +47,9 @@ def test_optimizer_before_shard_fix_keeps_groups_and_scheduler(tmp_path):
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
         assert msgspec.to_builtins(optimizer_groups(optimizer)) == [
             {"params": 2, "options": {"lr": 1e-3, "weight_decay": 0.1, "betas": [0.9, 0.999], "eps": 1e-8,
-                                      "initial_lr": 1e-3}},
+                                      "initial_lr": 1e-3}, "flags": {"foreach": None, "fused": None}},
             {"params": 4, "options": {"lr": 1e-3, "weight_decay": 0.0, "betas": [0.9, 0.999], "eps": 1e-8,
-                                      "initial_lr": 1e-3}}]
+                                      "initial_lr": 1e-3}, "flags": {"foreach": None, "fused": None}}]
         ns = {"model": model, "optimizer": optimizer}
         exec(before, ns)
         fully_shard(model[0])

@@ -357,7 +357,8 @@ def untrained_params(model: nn.Module, optimizer, units: list[Unit]) -> Untraine
 
 def optimizer_groups(optimizer) -> list[OptimizerGroup]:
     """The optimizer's parameter groups: their sizes and numeric hyper-parameters (a tensor learning rate read
-    as its number; flags, None and other values left out). Per-parameter optimizers stepped in the backward (one
+    as its number; flags, None and other values left out), and the implementation switches it holds (foreach,
+    fused). Per-parameter optimizers stepped in the backward (one
     group each, hundreds in a real model) are read as the groups their options make."""
     out: list[OptimizerGroup] = []
     for g in getattr(optimizer, "param_groups", None) or []:
@@ -370,11 +371,13 @@ def optimizer_groups(optimizer) -> list[OptimizerGroup]:
             elif isinstance(v, (tuple, list)) and v and all(isinstance(x, (int, float)) and not isinstance(x, bool)
                                                              for x in v):
                 opts[k] = [float(x) for x in v]
-        same = next((o for o in out if o.options == opts), None) if getattr(optimizer, "in_backward", False) else None
+        flags = {k: g[k] for k in ("foreach", "fused") if k in g and (g[k] is None or isinstance(g[k], bool))}
+        same = next((o for o in out if o.options == opts and o.flags == flags), None) if getattr(
+            optimizer, "in_backward", False) else None
         if same is not None:
             same.params += len(g["params"])
         else:
-            out.append(OptimizerGroup(params=len(g["params"]), options=opts))
+            out.append(OptimizerGroup(params=len(g["params"]), options=opts, flags=flags))
     return out
 
 

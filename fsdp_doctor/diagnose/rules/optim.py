@@ -390,9 +390,14 @@ class ForeachTemporaries(Rule):
         if tmp / peak < STEP_TEMPORARIES_SHARE_MIN:
             return self.quiet(E.below_share("temporaries made in the step", tmp, peak, "the peak",
                                             STEP_TEMPORARIES_SHARE_MIN))
-        if opt not in FUSED_OPTIMIZERS:
+        groups = getattr(ctx.config, "optimizer_groups", None) or []
+        if opt not in FUSED_OPTIMIZERS or not groups or any("fused" not in g.flags for g in groups):
             return self.quiet(f"{opt} has no fused implementation in torch (its step's temporaries: "
-                              f"{fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of the peak)")
+                              f"{fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of the peak)" + (
+                                  "; its groups hold no 'fused' switch: not torch's own" if opt in FUSED_OPTIMIZERS
+                                  else ""))
+        if all(g.flags.get("fused") for g in groups):
+            return self.quiet(f"{opt} runs fused already (its step's temporaries: {fmt_bytes(tmp)})")
         if getattr(ctx.config, "unmanaged_param_bytes", None):  # (aten._fused_adamw_ "got mixed torch.Tensor and
             # DTensor": a group holding both raises, fused as foreach)
             return self.quiet("parameters outside every FSDP unit: a group holding them beside DTensor parameters "
