@@ -70,6 +70,9 @@ class RunFacts(_Section):
     # the chunks the model's output and loss are computed in (torchtune's num_output_chunks; a loss that runs the
     # head per chunk from outside the model's forward, torchtitan's ChunkedLossWrapper: analyze.steps.loss_chunks)
     loss_chunks: int | UnsetType = UNSET
+    # how torch's optimizer steps ("fused", "foreach", "for-loop"; "mixed" where its groups differ), as its groups'
+    # switches and the device make it (analyze.report.optimizer_impl); unset where they are not recorded
+    optimizer_impl: str | UnsetType = UNSET
     torch_lacks: list[str] | UnsetType = UNSET  # FSDP2 features this torch release does not have
     # the units' MixedPrecisionPolicy ("params bfloat16, reduce float32"; "mixed" where units differ) and CPU
     # offload ("CPU offload" or "CPU offload, 3 of 9 units"), where any unit has one

@@ -102,6 +102,16 @@ def test_foreach_intermediates_at_an_optimizer_peak_are_fused_away(tmp_path, glo
     new = {c for c, g in found_after.items() if g.severity != "info"} - {c for c, g in found.items()
                                                                          if g.severity != "info"}
     assert not new, new
+    # fsdp-doctor compare reads the fix as the job setting it changed, and checks its prediction (before: "no
+    # configuration change found")
+    from fsdp_doctor.analyze import compare as C
+    from fsdp_doctor.pipeline import compare_side
+
+    assert (report.run.optimizer_impl, after.run.optimizer_impl) == ("foreach", "fused")
+    cmp = C.compare(compare_side(run), compare_side(fixed))
+    assert [(c.key, c.a, c.b) for c in cmp.config] == [("optimizer_impl", "foreach", "fused")], cmp.config
+    (p,) = [p for p in cmp.predictions if p.code == "optim.foreach_temporaries"]
+    assert p.recognised_by == "config diff: optimizer_impl" and p.peak_held, p
 
 
 def test_a_looping_optimizer_step_is_left_alone(tmp_path, gloo_one_rank):
@@ -127,3 +137,24 @@ def test_another_librarys_adamw_is_not_told_to_fuse(tmp_path, gloo_one_rank):
     assert "optim.foreach_temporaries" not in found
     (row,) = [r for r in statuses if r.code == "optim.foreach_temporaries"]
     assert row.status == "quiet" and row.reason.endswith("its groups hold no 'fused' switch: not torch's own"), row
+
+
+def test_optimizer_impl_resolves_the_groups_switches_as_torch_does():
+    """RunFacts.optimizer_impl (compare's job setting): fused where set; foreach where set, or where neither is and
+    the parameters are on CUDA (torch's default there, DTensor included); the CPU's default loops; groups that differ
+    read "mixed"; an optimizer without the switches (another library's) none."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.analyze.report import optimizer_impl
+    from fsdp_doctor.records import OptimizerGroup
+
+    def cfg(device, *flags):
+        return SimpleNamespace(device=device, optimizer_groups=[OptimizerGroup(params=1, flags=f) for f in flags])
+
+    default = {"foreach": None, "fused": None}
+    assert optimizer_impl(cfg("cuda", default)) == "foreach" and optimizer_impl(cfg("cpu", default)) == "for-loop"
+    assert optimizer_impl(cfg("cuda", {"foreach": False, "fused": True})) == "fused"
+    assert optimizer_impl(cfg("cpu", {"foreach": True, "fused": None})) == "foreach"
+    assert optimizer_impl(cfg("cuda", {"foreach": False, "fused": None})) == "for-loop"
+    assert optimizer_impl(cfg("cuda", default, {"foreach": False, "fused": True})) == "mixed"
+    assert optimizer_impl(cfg("cuda", {})) is None and optimizer_impl(cfg("cuda")) is None

@@ -54,7 +54,7 @@ HOST_MIN_MS = 1.0
 # more of the parameters to update (4-way 1-D to 2 x 2 HSDP doubles them: "the optimizer step, which this change does
 # not touch, moved -53%", a new-user trial)
 OPTIMIZER_KEYS = ("optimizer", "offload", "world_size", "mesh", "backend", "device_name", "torch_version",
-                  "trainable")
+                  "trainable", "optimizer_impl")
 OPTIMIZER_FIXES = ("optim.", "offload.", "memory.grads_kept")
 # A step-time prediction holds when the predicted change lies inside the measured change's interval, or lands
 # within this share of the measured step (a step prediction is an estimate from host-side timings).
@@ -93,6 +93,8 @@ FIX_KEYS: dict[str, tuple[str, ...]] = {
     "kernels.eager_attention": ("attn_implementation",),
     # ... and a chunked loss's chunks (torchtitan's --loss.num-chunks: "no configuration change found" before)
     "memory.temporaries": ("attn_implementation", "loss_chunks"),
+    # its fix: the optimizer's groups switched to fused
+    "optim.foreach_temporaries": ("optimizer_impl",),
 }
 # The way a fix moves its setting, where the rule says one: the units checkpointed, fewer (-1) or more (+1). Its
 # prediction is checked only where B moved that way: a B checkpointing all 8 layers where A checkpointed every other
@@ -118,7 +120,7 @@ NO_FIX_FOUND = "below its threshold in B; no change of its fix found"
 # the batch's input elements at the peak differ or, where not recorded, the peak fell at the same place of the step
 BATCH_SHIFT_PCT = 20.0
 JOB_KEYS = ("world_size", "torch_version", "tokens_per_step", "backend", "device_name", "optimizer",
-            "capacity_bytes", "attn_implementation", "loss_chunks")
+            "capacity_bytes", "attn_implementation", "loss_chunks", "optimizer_impl")
 
 
 @dataclass

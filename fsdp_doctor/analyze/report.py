@@ -18,6 +18,20 @@ from .steps import loss_chunks, usable_steps
 from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
 
 
+def optimizer_impl(cfg) -> Optional[str]:
+    """How torch's optimizer steps, from its groups' switches (OptimizerGroup.flags) as torch resolves them: "fused"
+    where fused is set, "foreach" where foreach is or where neither is and the parameters are on CUDA (torch's
+    default for them, DTensor included), else "for-loop" (the CPU's default); "mixed" where the groups differ. None
+    where no group holds the switches (another library's optimizer, or records before them)."""
+    groups = [g.flags for g in getattr(cfg, "optimizer_groups", None) or []]
+    if not groups or any("fused" not in f and "foreach" not in f for f in groups):
+        return None
+    default = "foreach" if getattr(cfg, "device", "") == "cuda" else "for-loop"
+    impls = {"fused" if f.get("fused") else "foreach" if f.get("foreach") else
+             "for-loop" if f.get("foreach") is False else default for f in groups}
+    return impls.pop() if len(impls) == 1 else "mixed"
+
+
 def precision_facts(units) -> tuple[str, str]:
     """The units' mixed precision and CPU offload in words, for the header ("" where no unit with parameters has
     them): a new-user trial found neither anywhere in the report of a bf16 or an offloaded run."""
@@ -74,6 +88,8 @@ def run_facts(run: Run) -> RunFacts:
             facts.attn_implementation = cfg.attn_implementation
         if chunks := loss_chunks(cfg, run.ranks):  # (compare reads its change: memory.temporaries' fix)
             facts.loss_chunks = chunks
+        if impl := optimizer_impl(cfg):  # (... and this: optim.foreach_temporaries' fix)
+            facts.optimizer_impl = impl
         if cfg.torch_lacks:  # FSDP2 features this torch release does not have (labels, private APIs)
             facts.torch_lacks = list(cfg.torch_lacks)
         mp, off = precision_facts(cfg.units)

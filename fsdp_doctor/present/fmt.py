@@ -170,12 +170,14 @@ def experts_fact(r: RunFacts) -> str:
 
 
 def optimizer_fact(r: RunFacts) -> str:
-    """"AdamW (2 param groups)": the optimizer's class, and its groups where there are several; "AdamW in backward
-    (24 per-parameter optimizers)" where it steps inside the backward."""
+    """"AdamW foreach (2 param groups)": the optimizer's class, how torch steps it where read (RunFacts.optimizer_impl)
+    and its groups where there are several; "AdamW in backward (24 per-parameter optimizers)" where it steps inside
+    the backward."""
     groups = len(r.optimizer_groups or [])
     if r.optimizer and r.optimizer_in_backward:
         return f"{r.optimizer} in backward ({r.optimizer_in_backward} per-parameter optimizers)"
-    return f"{r.optimizer} ({groups} param groups)" if r.optimizer and groups > 1 else (r.optimizer or "")
+    name = " ".join(x for x in (r.optimizer, r.optimizer_impl or None) if x) if r.optimizer else ""
+    return f"{name} ({groups} param groups)" if name and groups > 1 else name
 
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}  # worst first
