@@ -80,7 +80,8 @@ def test_foreach_intermediates_at_an_optimizer_peak_are_fused_away(tmp_path, glo
     says so, its fix (every group switched to fused before the first step) applied as printed leaves the same losses
     and no temporaries there: the peak falls to the predicted one and the finding is gone."""
     run, losses = _run(tmp_path / "foreach")
-    report, found = _findings(run)
+    statuses = []
+    report, found = _findings(run, statuses)
     f = found["optim.foreach_temporaries"]
     assert report.memory.per_rank["0"].peak_at.phase == "in_optimizer"
     # (and a scalar of the step's: 4 B)
@@ -91,8 +92,11 @@ def test_foreach_intermediates_at_an_optimizer_peak_are_fused_away(tmp_path, glo
     assert p.peak_bytes_before - f.evidence["temporaries_bytes"] <= p.peak_bytes_after < p.peak_bytes_before, p
     assert "group['foreach'], group['fused'] = False, True" in f.recommendation.code
     assert run.ranks[0].config.optimizer_groups[0].flags == {"foreach": True, "fused": None}
-    # the state is 40% of that peak: its bf16 lever, a numerics trade-off, names the fused step first
-    assert "First, with no such trade-off: AdamW's fused step" in found["optim.state_dominates"].recommendation.text
+    # the state, 40% of this peak, is judged on the peak the fused step leaves: under optim.state_dominates' 80%
+    # of capacity there, so its bf16 lever, a numerics trade-off, is not offered for what the fused step frees
+    (sd,) = [s for s in statuses if s.code == "optim.state_dominates"]
+    assert sd.status == "quiet" and sd.reason.endswith("(fires from 80%) once the fused step frees foreach's "
+                                                       "intermediates"), sd
     fixed, fixed_losses = _run(tmp_path / "fused", f.recommendation.code)
     after, found_after = _findings(fixed)
     assert fixed_losses == pytest.approx(losses, rel=1e-6, abs=1e-7)
