@@ -1018,7 +1018,8 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     # ignored parameter), which for-each refuses
     make_opt = lambda m: torch.optim.AdamW(  # noqa: E731
         user_param_groups(m, trainable_only=tree in FINETUNE, top_only=row.get("loop") == "top_optimizer"),
-        lr=1e-3, foreach=len({isinstance(p, DTensor) for p in m.parameters()}) == 1)
+        lr=1e-3, **({"fused": True} if row.get("loop") == "fused_optimizer" else
+                    {"foreach": len({isinstance(p, DTensor) for p in m.parameters()}) == 1}))
     early = make_opt(model) if cfg.optimizer_before_shard else None
     ns = {}
     if fix.get("where") == "around":  # its first part before the user's fully_shard calls, the rest after them

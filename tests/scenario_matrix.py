@@ -111,7 +111,8 @@ class Row:
     # "top_optimizer" builds the optimizer over the last block and what follows it only (tests/clients.py
     # user_param_groups); "sync_off" calls set_requires_gradient_sync(False) before every backward; "generate" runs
     # 8 forward passes without gradients after every third step (tests/clients.py generate_passes); "labels": a
-    # Hugging Face model computes the loss in its forward (model(input_ids=..., labels=...).loss)
+    # Hugging Face model computes the loss in its forward (model(input_ids=..., labels=...).loss); "fused_optimizer"
+    # builds AdamW fused (the clients' default is foreach, as torch picks it on a GPU)
     loop: Optional[str] = None
     # the rerun's peak against the prediction: within this share of it (2% where a test holds the rule to that)
     peak_within: float = 0.10
@@ -599,8 +600,11 @@ GPU_ROWS: list[Row] = [
     # one short sequence per rank: the sharded parameters, gradients and AdamW's state are most of the peak, which a
     # budget 3% above it puts at 97% of capacity (offload.recommended fires from 95%); its fix moves that state to
     # the host, and the same budget then has room (offload.costly stays quiet: the state would not fit back)
+    # (AdamW fused: foreach's intermediate, a copy of the sharded parameters, held its recorded peak, the step's,
+    # whose free lever is optim.foreach_temporaries' and offload.recommended, judged on the peak the fused step
+    # leaves, is quiet there; recorded before, foreach)
     _g("gpu_gpt_offload_needed", "gpt", "offload.recommended", "one sequence of 64 tokens per rank, budget 3% above "
-       "peak", knobs={**GPU_SHAPE, "batch_size": 1, "seq_len": 64}, capacity_share=0.97),
+       "peak", knobs={**GPU_SHAPE, "batch_size": 1, "seq_len": 64}, capacity_share=0.97, loop="fused_optimizer"),
     _g("gpu_gpt_optimizer_before_shard", "gpt", "optim.before_shard", "AdamW built before fully_shard",
        knobs={**GPU_SHAPE, "optimizer_before_shard": True}, min_severity="critical"),
     _g("gpu_gpt_small_batch", "gpt", "throughput.low_mfu", "one sequence of 64 tokens per rank",

@@ -26,7 +26,7 @@ def optimizer_impl(cfg) -> Optional[str]:
     groups = [g.flags for g in getattr(cfg, "optimizer_groups", None) or []]
     if not groups or any("fused" not in f and "foreach" not in f for f in groups):
         return None
-    default = "foreach" if getattr(cfg, "device", "") == "cuda" else "for-loop"
+    default = "foreach" if str(getattr(cfg, "device", "") or "").startswith("cuda") else "for-loop"
     impls = {"fused" if f.get("fused") else "foreach" if f.get("foreach") else
              "for-loop" if f.get("foreach") is False else default for f in groups}
     return impls.pop() if len(impls) == 1 else "mixed"

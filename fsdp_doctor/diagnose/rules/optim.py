@@ -322,9 +322,8 @@ class OptimizerStateDominates(Rule):
         # judged on the peak the fused step leaves where foreach's intermediates hold the peak (optim.foreach_
         # temporaries): the state is 40% of that step's peak less the activations, just under the share, and its
         # fix alone made this finding appear, the next lever (a torchtitan trial: 58.81 -> 55.35 MiB, state 42%)
-        fused = next((f for f in ctx.earlier if f.code == "optim.foreach_temporaries"), None)
-        judged = int(fused.predicted.peak_bytes_after) if fused is not None and fused.predicted else peak
-        once = " once the fused step frees foreach's intermediates" if judged != peak else ""
+        judged = E.peak_with_fused_step(ctx) or peak
+        once = E.ONCE_FUSED if judged != peak else ""
         if why := E.below_budget(ctx, judged, cap, STATE_TIGHT_SHARE):  # (optim.before_shard's stale tensors aside)
             return self.quiet(why + once)
         bd = E.breakdown(ctx)
@@ -339,8 +338,8 @@ class OptimizerStateDominates(Rule):
         # (halving the state alone predicted 3.38 MiB where the rerun measured 2.25 MiB)
         saved = sum(bd.get(k) or 0 for k in _halved_by_bf16(E.param_units(ctx))) / 2
         first = (f" First, with no such trade-off: {opt}'s fused step (optim.foreach_temporaries) frees the "
-                 f"step's {fmt_bytes(fused.evidence['temporaries_bytes'])} of foreach intermediates, and the peak "
-                 f"falls to {fmt_bytes(judged)}: the state's share above is of that peak." if once else "")
+                 f"step's foreach intermediates, and the peak falls to {fmt_bytes(judged)}: the state's share above "
+                 "is of that peak." if once else "")
         return [self.finding(
             "warning", f"{opt} state is {fmt_share(st / judged)} of a peak at {fmt_share(judged / cap)} of capacity"
                        + (" with the fused step" if once else ""),
@@ -401,7 +400,8 @@ class ForeachTemporaries(Rule):
         if opt not in FUSED_OPTIMIZERS or not groups or any("fused" not in g.flags for g in groups):
             return self.quiet(f"{opt} has no fused implementation in torch (its step's temporaries: "
                               f"{fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of the peak)" + (
-                                  "; its groups hold no 'fused' switch: not torch's own" if opt in FUSED_OPTIMIZERS
+                                  "; its groups hold no 'fused' switch: not torch's own (or recorded before the "
+                                  "switches were)" if opt in FUSED_OPTIMIZERS
                                   else ""))
         if all(g.flags.get("fused") for g in groups):
             return self.quiet(f"{opt} runs fused already (its step's temporaries: {fmt_bytes(tmp)})")
