@@ -530,7 +530,7 @@ def test_mixtral_analytic_flops_under_watch(one_rank_group, tmp_path):
     from fsdp_doctor.dashboards.pages.overview import _kpis, run_facts
 
     facts = {str(tr.children[0].children): str(tr.children[1].children) for tr in run_facts(report.run).children}
-    assert facts["mixture of experts"] == "top-2 of 4 experts" and facts["optimizer"] == "AdamW", facts
+    assert facts["mixture of experts"] == "top-2 of 4 experts" and facts["optimizer"] == "AdamW for-loop", facts
     tile = next(t for t in _kpis(report, Filters()).children if t.id == "kpi-tokens")
     assert "counted at top_k 2 of 4" in tile.title
     low = [f for f in report.findings if f.code == "throughput.low_mfu"]  # MFU against 1 TFLOP/s on a CPU: low
