@@ -1381,10 +1381,11 @@ def fused_optimizer() -> str:
                               "kernel per update, no foreach intermediates")) + "\n"
             "for group in optimizer.param_groups:\n"
             "    group['foreach'], group['fused'] = False, True\n"
-            "    for p in group['params']:  # a step count restored from a checkpoint\n"
-            "        state = optimizer.state.get(p, {})\n"
-            "        if torch.is_tensor(state.get('step')):\n"
-            "            state['step'] = state['step'].to(p.device, torch.float32)")
+            "    for param in group['params']:  # a step count restored from a checkpoint\n"
+            "        param_state = optimizer.state.get(param, {})\n"
+            "        if torch.is_tensor(param_state.get('step')):\n"
+            "            param_state['step'] = param_state['step'].to(param.device,\n"
+            "                                                         torch.float32)")
 
 
 def root_mesh(config=None) -> str:
