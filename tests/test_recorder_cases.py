@@ -480,8 +480,9 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
         # on the optimizer prepare() returned: its param_groups and state are the AdamW's inside
         before, after, f = fixed_pair(res, "tight_foreach", "optim.foreach_temporaries", "optimizer", "accelerate")
         assert "group['foreach'], group['fused'] = False, True" in f["code"], f["code"]
+        # (a note: the fused step lowers this peak 3.7%, to 91% of the budget, the backward's mark next highest)
         assert after["peak"] < before["peak"] and before["findings"][
-            "optim.foreach_temporaries"]["severity"] == "warning", (before["peak"], after["peak"])
+            "optim.foreach_temporaries"]["severity"] == "info", (before["peak"], after["peak"])
 
 
 @pytest.fixture(scope="module")
