@@ -423,18 +423,19 @@ def stale_words(ctx: Context, cap: Optional[int] = None, under: Optional[float] 
             + (f", {fmt_share(fix.after / cap, under=under)} of capacity {fmt_bytes(cap)}" if cap else ""))
 
 
-def peak_with_fused_step(ctx: Context) -> Optional[int]:
-    """The peak once the optimizer steps fused, where optim.foreach_temporaries fired before (its prediction; the rule
-    reading it runs ``last``); None where it did not. A rule weighing a costlier lever against the peak judges on it:
-    the fused step frees foreach's intermediates at no cost (a torchtitan trial's state, 40% of the step's peak less
-    the activations, was 42% of the peak the fused step left, and its rule fired only after that fix)."""
+#: what a rule judging on peak_with_fused_step's peak adds to its quiet reasons
+ONCE_FUSED = " once the fused step frees foreach's intermediates"
+
+
+def peak_with_fused_step(ctx: Context, peak: int) -> tuple[int, str]:
+    """(the peak a rule weighing a costlier lever judges on, what its quiet reasons add): where
+    optim.foreach_temporaries fired before (the rule reading it runs ``last``), the peak once the optimizer steps
+    fused (its prediction) and ONCE_FUSED; else ``peak`` and "". The fused step frees foreach's intermediates at no
+    cost (a torchtitan trial's state, 40% of the step's peak less the activations, was 42% of the peak the fused step
+    left, and its rule fired only after that fix)."""
     f = next((f for f in ctx.earlier if f.code == "optim.foreach_temporaries"), None)
     after = f.predicted.peak_bytes_after if f is not None and f.predicted is not None else None
-    return int(after) if after else None
-
-
-#: what a rule judging on peak_with_fused_step adds to its quiet reason
-ONCE_FUSED = " once the fused step frees foreach's intermediates"
+    return (int(after), ONCE_FUSED) if after and int(after) != peak else (peak, "")
 
 
 def near_capacity(ctx: Context) -> tuple[Optional[MemoryRank], int, Optional[str], Optional[str]]:

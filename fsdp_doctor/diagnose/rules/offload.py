@@ -176,8 +176,7 @@ class OffloadRecommended(Rule):
         # (the fused step's peak first: the recorded H100 row gpu_gpt_offload_needed peaked in AdamW's foreach step,
         # 37.06 MiB of its 250.50 MiB foreach's, one copy of the 37.11 MiB of sharded parameters: 97% of the budget,
         # 90% predicted with the fused step, where offloading, at twice the step, is no longer needed)
-        judged = E.peak_with_fused_step(ctx) or peak
-        once = E.ONCE_FUSED if judged != peak else ""
+        judged, once = E.peak_with_fused_step(ctx, peak)
         if why := E.below_budget(ctx, judged, cap, OFFLOAD_NEEDED_SHARE):  # (optim.before_shard's stale tensors aside)
             return self.quiet(why + once)
         bd = E.breakdown(ctx)

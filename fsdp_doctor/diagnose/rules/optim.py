@@ -322,8 +322,7 @@ class OptimizerStateDominates(Rule):
         # judged on the peak the fused step leaves where foreach's intermediates hold the peak (optim.foreach_
         # temporaries): the state is 40% of that step's peak less the activations, just under the share, and its
         # fix alone made this finding appear, the next lever (a torchtitan trial: 58.81 -> 55.35 MiB, state 42%)
-        judged = E.peak_with_fused_step(ctx) or peak
-        once = E.ONCE_FUSED if judged != peak else ""
+        judged, once = E.peak_with_fused_step(ctx, peak)
         if why := E.below_budget(ctx, judged, cap, STATE_TIGHT_SHARE):  # (optim.before_shard's stale tensors aside)
             return self.quiet(why + once)
         bd = E.breakdown(ctx)
