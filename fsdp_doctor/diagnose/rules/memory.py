@@ -512,10 +512,12 @@ def _what_lowers(ctx: Context, where: str, pm, held: int) -> _Lowering:
     if head is None:
         return _Lowering(f"{_LOSS_LEVERS}{_TITAN_CHUNKED if titan is not None else ''} {_NO_CODE}")
     n, text = head[1], _LOSS_CHUNKED_LEVERS.format(head=head[0], n=head[1])
-    if titan is None or not S.titan_settings(titan, loss_num_chunks=2 * n):
-        return _Lowering(f"{text} {_NO_CODE}", chunks=n)
-    lengths = E.sequence_lengths(ctx)
+    lengths = E.sequence_lengths(ctx) if titan is not None else set()
     m = more_chunks(n, lengths)
+    # (with no count that divides, the doubled one only asks whether this torchtitan's table knows the setting)
+    code = S.titan_settings(titan, loss_num_chunks=m or 2 * n) if titan is not None else None
+    if not code:
+        return _Lowering(f"{text} {_NO_CODE}", chunks=n)
     says, seq = f"{S.titan_says(titan)}, whose loss takes its number of chunks", "/".join(map(str, sorted(lengths)))
     if m is None:
         return _Lowering(f"{text} {says}, but no number from {n + 1} to {4 * n} divides the sequence length ({seq} "
@@ -523,8 +525,8 @@ def _what_lowers(ctx: Context, where: str, pm, held: int) -> _Lowering:
     size = "halves them" if m == 2 * n else f"makes them {fmt_share(n / m)} of their size"
     fits = (f"{m} divides the sequence length, {seq} tokens, as its ChunkedLossWrapper requires" if lengths else
             "the training sequence length must be a multiple of it")
-    return _Lowering(f"{text} {says}: {m} {size} ({fits}).", S.titan_settings(titan, loss_num_chunks=m), "torchtitan",
-                     _loss_chunks_shrunk(pm, held, n / m), n)
+    return _Lowering(f"{text} {says}: {m} {size} ({fits}).", code, "torchtitan", _loss_chunks_shrunk(pm, held, n / m),
+                     n)
 
 
 def more_chunks(n: int, lengths: set[int]) -> Optional[int]:
