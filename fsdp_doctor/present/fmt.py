@@ -176,7 +176,7 @@ def optimizer_fact(r: RunFacts) -> str:
     groups = len(r.optimizer_groups or [])
     if r.optimizer and r.optimizer_in_backward:
         return f"{r.optimizer} in backward ({r.optimizer_in_backward} per-parameter optimizers)"
-    name = " ".join(x for x in (r.optimizer, r.optimizer_impl or None) if x) if r.optimizer else ""
+    name = f"{r.optimizer} {r.optimizer_impl}" if r.optimizer and r.optimizer_impl else r.optimizer or ""
     return f"{name} ({groups} param groups)" if name and groups > 1 else name
 
 
