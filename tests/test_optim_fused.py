@@ -143,6 +143,49 @@ def test_another_librarys_adamw_is_not_told_to_fuse(tmp_path, gloo_one_rank):
     assert row.status == "quiet" and "its groups hold no 'fused' switch: not torch's own" in row.reason, row
 
 
+def test_sgd_is_not_told_to_fuse_what_dtensor_cannot_run(tmp_path, gloo_one_rank):
+    """SGD with momentum and weight decay, foreach: the decayed gradients are an intermediate as large as the
+    gradients, at a peak in its step. torch has a fused SGD, but DTensor has no sharding rule for its kernel: the fix
+    would raise on FSDP2's parameters, so the rule stays quiet and says why."""
+    def sgd(params, lr):
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=0.01, foreach=True)
+
+    run, _ = _run(tmp_path / "sgd", opt_class=sgd, copies=4)
+    statuses = []
+    report, found = _findings(run, statuses)
+    assert report.memory.per_rank["0"].peak_at.phase == "in_optimizer" and run.ranks[0].config.optimizer == "SGD"
+    assert "optim.foreach_temporaries" not in found
+    (row,) = [r for r in statuses if r.code == "optim.foreach_temporaries"]
+    assert row.status == "quiet" and row.reason.startswith(
+        "SGD's fused kernel has no DTensor sharding rule in torch: fused=True raises"), row
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD", "Adagrad"])
+def test_which_fused_kernels_run_on_fsdp2_parameters(name, gloo_one_rank):
+    """The rule's table against this torch: fused=True steps FSDP2's sharded parameters for the optimizers it tells
+    to fuse, and raises for the others torch fuses (DTensor has no sharding rule for their kernels)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_doctor.diagnose.rules.optim import _UNFUSABLE, FUSED_OPTIMIZERS
+    from fsdp_doctor.record.fsdp2 import enable_cpu_fsdp
+
+    enable_cpu_fsdp()  # (torch 2.6: FSDP2 trains on the CPU with its back-ports; nothing on later releases)
+    model = nn.Linear(8, 8)
+    fully_shard(model)
+    model(torch.randn(2, 8)).sum().backward()
+    opt = getattr(torch.optim, name)(model.parameters(), lr=1e-3, fused=True)
+    if name in FUSED_OPTIMIZERS:
+        opt.step()
+        assert all(opt.state[p] for p in model.parameters())
+    else:
+        assert name in _UNFUSABLE
+        # (2.13 - 2.15: "... does not have a sharding strategy registered"; 2.6: "found no DeviceMesh from dtensor
+        # args for aten._fused_sgd_.default!")
+        with pytest.raises((NotImplementedError, AssertionError), match="sharding strategy|no DeviceMesh"):
+            opt.step()
+
+
 def test_optimizer_impl_resolves_the_groups_switches_as_torch_does():
     """RunFacts.optimizer_impl (compare's job setting): fused where set; foreach where set, or where neither is and
     the parameters are on CUDA (torch's default there, DTensor included); the CPU's default loops; groups that differ

@@ -1373,10 +1373,10 @@ def repoint_optimizer() -> str:
 
 
 def fused_optimizer() -> str:
-    """The user's optimizer (torch's Adam, AdamW, SGD or Adagrad) switched to its fused implementation, every group,
-    before its first step: the flags its step reads from each group, and a step count restored from a checkpoint
-    moved to the parameter's device (the fused step wants it there, as a tensor; the foreach one keeps it on the
-    host)."""
+    """The user's optimizer (torch's Adam or AdamW, whose fused kernels DTensor runs) switched to its fused
+    implementation, every group, before its first step: the flags its step reads from each group, and a step count
+    restored from a checkpoint moved to the parameter's device (the fused step wants it there, as a tensor; the
+    foreach one keeps it on the host)."""
     return ("\n".join(comment("after building the optimizer, before its first step: its fused implementation, one "
                               "kernel per update, no foreach intermediates")) + "\n"
             "for group in optimizer.param_groups:\n"

@@ -365,9 +365,13 @@ class OptimizerStateDominates(Rule):
             predicted=E.predicted(step, step, peak, peak - saved))]
 
 
-# torch's optimizers with a fused implementation (fused=True: one kernel per step on CUDA and, from torch 2.4, the
-# CPU), and the marks of the optimizer step on a memory timeline
-FUSED_OPTIMIZERS = ("Adam", "AdamW", "SGD", "Adagrad")
+# torch's optimizers whose fused implementation (fused=True: one kernel per step on CUDA and, from torch 2.4, the
+# CPU) runs on FSDP2's DTensor parameters: DTensor has a sharding rule for Adam's and AdamW's fused kernels only
+# (torch 2.6 - 2.15, torch/distributed/tensor/_ops/_pointwise_ops.py); SGD's and Adagrad's raise NotImplementedError
+# ("aten._fused_sgd_.default does not have a sharding strategy registered", torch 2.13 on the CPU). And the marks of
+# the optimizer step on a memory timeline
+FUSED_OPTIMIZERS = ("Adam", "AdamW")
+_UNFUSABLE = ("SGD", "Adagrad")  # fused in torch, not on DTensor parameters
 _OPTIMIZER_PHASES = ("optimizer_start", "in_optimizer", "optimizer_end")
 # The optimizer step's own temporaries are worth a finding from this share of a peak that lies in the step, and
 # the fused step's a warning where it lowers the peak by this share of it (or under NEAR_CAPACITY_SHARE): below, the
@@ -375,6 +379,12 @@ _OPTIMIZER_PHASES = ("optimizer_start", "in_optimizer", "optimizer_end")
 # peak foreach's, the fused step 1.0% lower, measured as predicted)
 STEP_TEMPORARIES_SHARE_MIN = 0.10
 FUSED_WARN_DROP_SHARE = 0.05
+
+
+def _no_fused(opt: str) -> str:
+    """Why ``opt`` is not told to run fused."""
+    return (f"{opt}'s fused kernel has no DTensor sharding rule in torch: fused=True raises on FSDP2's parameters"
+            if opt in _UNFUSABLE else f"{opt} has no fused implementation in torch")
 
 
 @register
@@ -401,8 +411,8 @@ class ForeachTemporaries(Rule):
                                             STEP_TEMPORARIES_SHARE_MIN))
         groups = getattr(ctx.config, "optimizer_groups", None) or []
         if opt not in FUSED_OPTIMIZERS or not groups or any("fused" not in g.flags for g in groups):
-            return self.quiet(f"{opt} has no fused implementation in torch (its step's temporaries: "
-                              f"{fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of the peak)" + (
+            return self.quiet(_no_fused(opt) + f" (its step's temporaries: {fmt_bytes(tmp)}, {fmt_share(tmp / peak)} "
+                              "of the peak)" + (
                                   "; its groups hold no 'fused' switch: not torch's own (or recorded before the "
                                   "switches were)" if opt in FUSED_OPTIMIZERS
                                   else ""))
