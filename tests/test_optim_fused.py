@@ -188,18 +188,22 @@ def test_which_fused_kernels_run_on_fsdp2_parameters(name, gloo_one_rank):
 
 def test_optimizer_impl_resolves_the_groups_switches_as_torch_does():
     """RunFacts.optimizer_impl (compare's job setting): fused where set; foreach where set, or where neither is and
-    the parameters are on CUDA (torch's default there, DTensor included); the CPU's default loops; groups that differ
+    the parameters are on CUDA (torch's default there, DTensor included); the CPU's default loops, offloaded shards'
+    too; groups that differ
     read "mixed"; an optimizer without the switches (another library's) none."""
     from types import SimpleNamespace
 
     from fsdp_doctor.analyze.report import optimizer_impl
     from fsdp_doctor.records import OptimizerGroup
 
-    def cfg(device, *flags):
-        return SimpleNamespace(device=device, optimizer_groups=[OptimizerGroup(params=1, flags=f) for f in flags])
+    def cfg(device, *flags, offload=False):
+        return SimpleNamespace(device=device, optimizer_groups=[OptimizerGroup(params=1, flags=f) for f in flags],
+                               units=[SimpleNamespace(param_count=8, offload=offload)])
 
     default = {"foreach": None, "fused": None}
     assert optimizer_impl(cfg("cuda", default)) == "foreach" and optimizer_impl(cfg("cpu", default)) == "for-loop"
+    # CPUOffloadPolicy's shards step on the host: the CPU's default
+    assert optimizer_impl(cfg("cuda", default, offload=True)) == "for-loop"
     assert optimizer_impl(cfg("cuda", {"foreach": False, "fused": True})) == "fused"
     assert optimizer_impl(cfg("cpu", {"foreach": True, "fused": None})) == "foreach"
     assert optimizer_impl(cfg("cuda", {"foreach": False, "fused": None})) == "for-loop"
