@@ -1015,11 +1015,11 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
         model = BUILD[tree]().to(dev)
     # AdamW for-each, as torch picks it on a GPU (on the CPU its default steps one DTensor at a time: 23 ms a step
     # of the reference GPT against 7 ms), unless plain tensors sit beside DTensors (the root left unsharded, an
-    # ignored parameter), which for-each refuses
+    # ignored parameter), which for-each refuses; or as torch picks it here ("default_optimizer")
     make_opt = lambda m: torch.optim.AdamW(  # noqa: E731
         user_param_groups(m, trainable_only=tree in FINETUNE, top_only=row.get("loop") == "top_optimizer"),
-        lr=1e-3, **({"fused": True} if row.get("loop") == "fused_optimizer" else
-                    {"foreach": len({isinstance(p, DTensor) for p in m.parameters()}) == 1}))
+        lr=1e-3, **({"fused": True} if row.get("loop") == "fused_optimizer" else {} if row.get("loop") ==
+                    "default_optimizer" else {"foreach": len({isinstance(p, DTensor) for p in m.parameters()}) == 1}))
     early = make_opt(model) if cfg.optimizer_before_shard else None
     ns = {}
     if fix.get("where") == "around":  # its first part before the user's fully_shard calls, the rest after them

@@ -112,7 +112,8 @@ class Row:
     # user_param_groups); "sync_off" calls set_requires_gradient_sync(False) before every backward; "generate" runs
     # 8 forward passes without gradients after every third step (tests/clients.py generate_passes); "labels": a
     # Hugging Face model computes the loss in its forward (model(input_ids=..., labels=...).loss); "fused_optimizer"
-    # builds AdamW fused (the clients' default is foreach, as torch picks it on a GPU)
+    # builds AdamW fused (the clients' default is foreach, as torch picks it on a GPU), "default_optimizer" as torch
+    # picks it on the row's device (on the CPU, and for offloaded shards, its loop)
     loop: Optional[str] = None
     # the rerun's peak against the prediction: within this share of it (2% where a test holds the rule to that)
     peak_within: float = 0.10
@@ -307,6 +308,9 @@ ROWS: list[Row] = [
     # the same with wider blocks: the peak in AdamW's foreach step (the users' default on CUDA, the clients' here)
     _r("gpt_optimizer_peak", "gpt", "optim.foreach_temporaries", "AdamW's foreach step at the peak, budget 5% above it",
        knobs={"batch_size": 1, "seq_len": 8, "d_model": 128, "n_layers": 8}, capacity_share=0.95),
+    # AdamW as torch picks it on the CPU, stepping the 8 blocks' 80 tensors one at a time: a note (a CPU run)
+    _r("gpt_unfused_step", "gpt", "optim.unfused_step", "AdamW's default loop on the CPU, 8 blocks",
+       knobs={"n_layers": 8}, min_severity="info", loop="default_optimizer"),
     _r("gpt_exposed_allgather", "gpt", "prefetch.exposed_allgather",
        "FSDP's implicit prefetch on gloo, 4 micro-batches of 16 tokens", knobs=GATHER_BOUND, min_severity="info",
        gpu_gain=True),
@@ -551,6 +555,11 @@ GPU_ROWS: list[Row] = [
        knobs={**GPU_SHAPE, "forward_prefetch": 1, "backward_prefetch": 1}, loop="loss_allreduce"),
     _g("gpu_gpt_offload", "gpt", "offload.costly", "CPUOffloadPolicy on a model that fits the GPU",
        knobs={**GPU_SHAPE, "cpu_offload": True}),
+    # the offloaded shards' AdamW as torch picks it for host tensors (its loop) under a budget that needs the offload
+    # (the state back on the device: 97% of it, so offload.costly is quiet): the fused CPU step is the lever
+    _g("gpu_gpt_offload_unfused", "gpt", "optim.unfused_step", "CPUOffloadPolicy, AdamW's default loop on the host, "
+       "a budget the offload is needed for", knobs={**GPU_SHAPE, "cpu_offload": True}, capacity_share=0.7,
+       loop="default_optimizer"),
     _g("gpu_gpt_offload_unpinned", "gpt", "offload.unpinned", "CPUOffloadPolicy(pin_memory=False)",
        knobs={**GPU_SHAPE, "cpu_offload": True, "offload_pin_memory": False}),
     _g("gpu_hf_llama_eager", "hf_llama_eager", "kernels.eager_attention", "HF Llama, attn_implementation='eager'",

@@ -34,10 +34,11 @@ class AdamW(torch.optim.Optimizer):
                  weight_decay=0.01, eps=1e-8, maximize=False)
 
 
-def _run(out, fix: str = "", foreach: bool = True, copies: int = 5, opt_class=None):
-    """The blocks sharded one unit each on one gloo rank, AdamW(foreach=``foreach``) with ``fix`` run on it as its
-    code reads (``optimizer`` the user's); a budget 8% above ``copies`` of the parameters (in the optimizer step:
-    parameters, gradients, 2 moments and the foreach intermediate): (run read back, losses)."""
+def _run(out, fix: str = "", foreach: bool | None = True, copies: int | None = 5, opt_class=None, steps: int = 4):
+    """The blocks sharded one unit each on one gloo rank, AdamW(foreach=``foreach``) (or ``opt_class``) with ``fix``
+    run on it as its code reads (``optimizer`` the user's), ``steps`` steps; a budget 8% above ``copies`` of the
+    parameters (in the optimizer step: parameters, gradients, 2 moments and the foreach intermediate), none for None:
+    (run read back, losses)."""
     from torch.distributed.fsdp import fully_shard
 
     import fsdp_doctor
@@ -53,8 +54,8 @@ def _run(out, fix: str = "", foreach: bool = True, copies: int = 5, opt_class=No
         exec(fix, {"optimizer": optimizer, "torch": torch})  # noqa: S102 (the fix as the doctor printed it)
     x, losses = torch.randn(2, 256), []
     with fsdp_doctor.watch(model, optimizer, out_dir=out, profile=False,
-                           capacity_bytes=int(copies * 8 * _BLOCK / 0.92)) as doctor:
-        for _ in range(4):
+                           **({"capacity_bytes": int(copies * 8 * _BLOCK / 0.92)} if copies else {})) as doctor:
+        for _ in range(steps):
             loss = model(x).square().mean()
             loss.backward()
             optimizer.step()
@@ -211,25 +212,32 @@ def test_optimizer_impl_resolves_the_groups_switches_as_torch_does():
     assert optimizer_impl(cfg("cuda", {})) is None and optimizer_impl(cfg("cuda")) is None
 
 
-def test_the_recorded_h100_run_whose_peak_was_adamws_foreach_step():
-    """The GPU row gpu_gpt_offload_needed (recorded on the H100, AdamW as torch defaults it there: foreach on DTensor
-    parameters) peaked in the optimizer step at 97% of its budget, with 37.06 MiB of the step's temporaries: one copy
-    of its 37.11 MiB of sharded parameters, foreach's intermediate. Recorded before the groups' switches were, it is
-    read here with them as torch's AdamW holds them (foreach and fused None): optim.foreach_temporaries fires, and
-    offload.recommended (twice the step, for the state on the host) stays quiet, the fused step leaving 90%."""
+def recorded_as_torch_holds_it(name: str):
+    """A recorded H100 row (traces/gpu/scenarios), read with the switches torch's AdamW holds by default (foreach and
+    fused None: recorded before the groups' switches were); skipped where not recorded."""
     from conftest import REPO
     from fsdp_doctor import load_run
-    from fsdp_doctor.diagnose.estimate import ONCE_FUSED
 
-    path = REPO / "traces" / "gpu" / "scenarios" / "gpu_gpt_offload_needed"
+    path = REPO / "traces" / "gpu" / "scenarios" / name
     if not (path / "manifest.json").exists():
         pytest.skip(f"{path} not recorded")
     run = load_run(path)
     for rd in run.ranks.values():
         for g in rd.config.optimizer_groups:
             g.flags = {"foreach": None, "fused": None}
+    return run
+
+
+def test_the_recorded_h100_run_whose_peak_was_adamws_foreach_step():
+    """The GPU row gpu_gpt_offload_needed (recorded on the H100, AdamW as torch defaults it there: foreach on DTensor
+    parameters) peaked in the optimizer step at 97% of its budget, with 37.06 MiB of the step's temporaries: one copy
+    of its 37.11 MiB of sharded parameters, foreach's intermediate. Recorded before the groups' switches were, it is
+    read here with them as torch's AdamW holds them (foreach and fused None): optim.foreach_temporaries fires, and
+    offload.recommended (twice the step, for the state on the host) stays quiet, the fused step leaving 90%."""
+    from fsdp_doctor.diagnose.estimate import ONCE_FUSED
+
     statuses = []
-    report, found = _findings(run, statuses)
+    report, found = _findings(recorded_as_torch_holds_it("gpu_gpt_offload_needed"), statuses)
     assert report.run.optimizer_impl == "foreach" and report.memory.per_rank["0"].peak_at.phase == "in_optimizer"
     f = found["optim.foreach_temporaries"]
     params = report.memory.per_rank["0"].peak_breakdown["sharded_params"]

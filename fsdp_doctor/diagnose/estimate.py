@@ -24,6 +24,7 @@ from ..records import (LIGHTNING_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TORCH
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE
+from ..trace.collectives import dtype_bytes
 from ..trace.model import OTHER_UNIT  # (collectives no FSDP unit issued: optimizer step, clipping, metrics)
 from ..units import fmt_bytes, fmt_list, fmt_share, fsdp_label  # (fmt_list: rules call it E.fmt_list)
 from . import thresholds as T
@@ -542,6 +543,13 @@ def grad_shard_bytes(u: Unit) -> int:
     parameters' local shards; a frozen base has no gradient. A run recorded before the snapshot read which
     parameters train: every parameter's."""
     return u.sharded_bytes if u.trainable_sharded_bytes is None else u.trainable_sharded_bytes
+
+
+def grad_shard_elements(us: Iterable[Unit]) -> int:
+    """This rank's trainable parameter elements over the units (what the optimizer steps; grad_shard_bytes in their
+    dtype's elements)."""
+    return sum(grad_shard_bytes(u) // (dtype_bytes(u.orig_dtypes[0] if u.orig_dtypes else "float32") or 4)
+               for u in us)
 
 
 #: bytes per element of the floating dtypes a unit's parameters, compute and reduction use

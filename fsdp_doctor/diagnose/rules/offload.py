@@ -4,7 +4,6 @@ make a run fit, and offloading from pageable (unpinned) host memory."""
 from __future__ import annotations
 
 from ...report_sections import Copies
-from ...trace.collectives import dtype_bytes
 from ...units import fmt_bytes, fmt_share
 from .. import estimate as E
 from .. import snippets as S
@@ -192,8 +191,7 @@ class OffloadRecommended(Rule):
         # step, predicted 84 ms from the copies alone)
         optim = ctx.config.optimizer if ctx.config is not None and ctx.config.optimizer else "AdamW"
         ns = CPU_OPTIMIZER_NS_PER_ELEMENT.get(optim, CPU_OPTIMIZER_NS_PER_ELEMENT["AdamW"])
-        elements = sum(E.grad_shard_bytes(u) // (dtype_bytes(u.orig_dtypes[0] if u.orig_dtypes else "float32") or 4)
-                       for u in us)
+        elements = E.grad_shard_elements(us)
         cpu_opt_ms = elements * ns / 1e6
         gpu_opt_ms = E.phase_ms(ctx, "optimizer") or 0.0
         after = step + copy_ms + cpu_opt_ms - gpu_opt_ms if step is not None else None

@@ -418,10 +418,8 @@ class ForeachTemporaries(Rule):
                                   else ""))
         if all(g.flags.get("fused") for g in groups):
             return self.quiet(f"{opt} runs fused already (its step's temporaries: {fmt_bytes(tmp)})")
-        if getattr(ctx.config, "unmanaged_param_bytes", None):  # (aten._fused_adamw_ "got mixed torch.Tensor and
-            # DTensor": a group holding both raises, fused as foreach)
-            return self.quiet("parameters outside every FSDP unit: a group holding them beside DTensor parameters "
-                              "cannot run fused")
+        if why := _mixed_params(ctx):
+            return self.quiet(why)
         # fused: no intermediates (a new-user trial's AdamW on the CPU: 16.01 MiB of foreach temporaries, 0 fused)
         added = [-max(0, int(r.get("temporaries") or 0) - held) if r.get("phase") in _OPTIMIZER_PHASES else 0
                  for r in pm.timeline or []]
@@ -431,13 +429,7 @@ class ForeachTemporaries(Rule):
             return self.quiet(f"the fused step would leave a peak of {fmt_bytes(after)}, under {least} below this "
                               f"one: the next highest mark, outside the step, is as high (the step's temporaries: "
                               f"{fmt_bytes(tmp)})")
-        titan = E.torchtitan_version(ctx)
-        code = S.titan_settings(titan, optimizer_implementation="fused") if titan is not None else None
-        where = "torchtitan" if code else "optimizer"
-        how = (f" {S.titan_says(titan)}, whose optimizer takes its implementation: 'fused'." if code else
-               " The snippet switches every group of the optimizer you built to it, before its first step (a "
-               "step count restored from a checkpoint is moved to the parameters' device, as the fused step wants "
-               "it); or pass fused=True where you build it.")
+        code, where, how = _fused_fix(ctx)
         sev = ("critical" if E.budget_peak(ctx) >= cap else "warning" if peak - after >= FUSED_WARN_DROP_SHARE * peak
                or after < T.NEAR_CAPACITY_SHARE * cap else "info")
         return [self.finding(
@@ -453,8 +445,114 @@ class ForeachTemporaries(Rule):
             "kernel and makes none, with the same arithmetic (and is usually the faster on a GPU; the step time is "
             f"not predicted). The peak with it: {fmt_bytes(after)}, {fmt_share(after / cap)} of capacity"
             + (", set by the next highest mark, outside the step." if after > peak - tmp else ".") + how,
-            code or S.fused_optimizer(), where=where,
-            predicted=E.predicted(E.step_ms(ctx), None, peak, after))]
+            code, where=where, predicted=E.predicted(E.step_ms(ctx), None, peak, after))]
+
+
+def _fused_fix(ctx: Context) -> tuple[str, str, str]:
+    """(code, where, the words that say what it does): the user's optimizer switched to fused, or torchtitan's job
+    config where torchtitan built it."""
+    titan = E.torchtitan_version(ctx)
+    code = S.titan_settings(titan, optimizer_implementation="fused") if titan is not None else None
+    if code:
+        return code, "torchtitan", f" {S.titan_says(titan)}, whose optimizer takes its implementation: 'fused'."
+    return (S.fused_optimizer(), "optimizer",
+            " The snippet switches every group of the optimizer you built to it, before its first step (a step count "
+            "restored from a checkpoint is moved to the parameters' device, as the fused step wants it); or pass "
+            "fused=True where you build it.")
+
+
+def _mixed_params(ctx: Context) -> Optional[str]:
+    """Why fused cannot run here: parameters outside every unit (aten._fused_adamw_ "got mixed torch.Tensor and
+    DTensor": a group holding both raises, fused as foreach)."""
+    if getattr(ctx.config, "unmanaged_param_bytes", None):
+        return "parameters outside every FSDP unit: a group holding them beside DTensor parameters cannot run fused"
+    return None
+
+
+# What Adam's and AdamW's step costs on one CPU thread (torchrun's OMP_NUM_THREADS=1) over FSDP2's sharded DTensor
+# parameters, by implementation: (ns per element, us per tensor), fitted on this project's CPU VM from 400 tensors of
+# 256 elements and 20 of 1 M (benchmarks/cpu_optimizer_cost.py fits them again). The loop dispatches every operator
+# of the update once per tensor, each a DTensor dispatch; foreach once per operator for all of them, with an
+# intermediate per operator; fused makes one call. The fused step's time is predicted as the step's own measured
+# time scaled by the two implementations' costs for this rank's tensors and elements, so that the host's speed
+# cancels (the same VM looped at 5.0 and 8.05 ns per element in two sessions)
+CPU_STEP_COST = {"for-loop": (4.55, 119.5), "foreach": (3.92, 31.8), "fused": (1.24, 20.6)}
+# The fused step is worth a note from this share of the step saved, and on a GPU run (offloaded shards) a warning
+# from this share on; on a CPU run a note at most: there the device's parameters step on the host, where a GPU's
+# step foreach on the device by default
+UNFUSED_MIN_GAIN_SHARE = 0.02
+UNFUSED_WARN_GAIN_SHARE = 0.05
+
+
+def cpu_step_ms(impl: str, elements: int, tensors: int) -> float:
+    """CPU_STEP_COST's model of a step of ``impl`` over ``tensors`` tensors of ``elements`` elements in all (ms)."""
+    ns, us = CPU_STEP_COST[impl]
+    return elements * ns / 1e6 + tensors * us / 1e3
+
+
+@register
+class UnfusedHostStep(Rule):
+    code = "optim.unfused_step"
+    name = "The optimizer's unfused step on the CPU"
+    description = ("Adam or AdamW steps FSDP2's sharded parameters on the host (CPUOffloadPolicy's, or a CPU run's) "
+                   "in torch's default for-loop (or foreach) implementation, a material share of the step; its "
+                   "fused CPU kernel makes the same update in a fraction of the time.")
+    needs = ("records", "optimizer", "units")
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        cfg = ctx.config
+        opt = getattr(cfg, "optimizer", None) or "the optimizer"
+        impl = ctx.report.run.optimizer_impl if isinstance(ctx.report.run.optimizer_impl, str) else None
+        if opt not in FUSED_OPTIMIZERS:
+            return self.quiet(_no_fused(opt))
+        if cfg.optimizer_in_backward:
+            return self.quiet(f"{opt} steps inside the backward, one optimizer per parameter: a fused step over one "
+                              "tensor is not predicted, nor does the fix reach those optimizers")
+        if impl is None:
+            return self.quiet(f"{opt}'s groups hold no 'fused' switch: not torch's own (or recorded before the "
+                              "switches were)")
+        if impl in ("fused", "mixed"):
+            return self.quiet(f"{opt} runs fused already" if impl == "fused" else
+                              f"{opt}'s groups differ in implementation (some fused)")
+        us = E.param_units(ctx)
+        offloaded = [u for u in us if u.offload]
+        gpu = E.on_gpu(ctx)
+        if gpu and not offloaded:
+            return self.quiet(f"{opt} steps the parameters on the GPU ({impl}): the fused step's time there is not "
+                              "predicted (only the host's is)")
+        if why := _mixed_params(ctx):
+            return self.quiet(why)
+        opt_ms, step = E.phase_ms(ctx, "optimizer"), E.step_ms(ctx)
+        if not opt_ms or not step:
+            return self.quiet("no optimizer step was timed")
+        elements = E.grad_shard_elements(us)
+        tensors = sum(g.params for g in cfg.optimizer_groups)
+        fused_ms = opt_ms * cpu_step_ms("fused", elements, tensors) / cpu_step_ms(impl, elements, tensors)
+        gain = opt_ms - fused_ms
+        if gain < UNFUSED_MIN_GAIN_SHARE * step:
+            return self.quiet(E.below_share(f"the fused step's saving ({impl} {opt_ms:.1f} ms -> {fused_ms:.1f} ms)",
+                                            gain, step, "the step", UNFUSED_MIN_GAIN_SHARE, ms=True))
+        code, where, how = _fused_fix(ctx)
+        sev = "warning" if gpu and gain >= UNFUSED_WARN_GAIN_SHARE * step else "info"
+        where_words = (f"CPUOffloadPolicy keeps {'them' if len(offloaded) == len(us) else 'some of them'} in host "
+                       "memory, and the device waits while they step" if gpu else
+                       "this run trains on the CPU (on a GPU the device's parameters step there, foreach by default: "
+                       "a note here)")
+        peak = E.peak_bytes(ctx) if impl == "for-loop" else None  # (foreach's intermediates: foreach_temporaries')
+        return [self.finding(
+            sev, f"{opt}'s {impl} step on the CPU takes {opt_ms:.1f} ms ({fmt_share(opt_ms / step)} of the step): "
+                 f"fused, about {fused_ms:.1f} ms",
+            {"optimizer": opt, "implementation": impl, "optimizer_ms_per_step": round(opt_ms, 3),
+             "step_p50_ms": round(step, 3), "fused_optimizer_ms_est": round(fused_ms, 3),
+             "tensors": tensors, "elements_per_rank": elements},
+            f"The optimizer steps FSDP2's sharded parameters on the CPU: {where_words}. {opt} takes {opt_ms:.1f} ms "
+            f"of the {step:.1f} ms step over this rank's {tensors} tensors of {elements / 1e6:.2f} M elements, in "
+            f"torch's {impl} implementation (the CPU's default loop dispatches every operator of the update once per "
+            "tensor, each a DTensor dispatch). Its fused implementation (fused=True, CPU kernels from torch 2.4) "
+            f"makes the same update in one call: about {fused_ms:.1f} ms, this step's own time scaled by what the two "
+            "cost per element and per tensor on one CPU thread (benchmarks/cpu_optimizer_cost.py)." + how,
+            code, where=where, predicted=E.predicted(step, step - gain, peak, peak))]
 
 
 # Trainable parameters outside the optimizer: a warning from this share of the trainable elements on (a note below).

@@ -1,0 +1,92 @@
+"""optim.unfused_step: Adam or AdamW stepping FSDP2's sharded parameters on the host (CPUOffloadPolicy's shards, or a
+CPU run's parameters) in torch's default loop, or foreach, for a material share of the step; the fused CPU kernel
+makes the same update in one call. Its fix is optim.foreach_temporaries', applied here as printed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_optim_fused import _run as _blocks
+from test_optim_fused import recorded_as_torch_holds_it
+
+#: 8 blocks of 256 x 256 + 256: this one rank's elements and tensors (weights and biases)
+_ELEMENTS, _TENSORS = 8 * (256 * 256 + 256), 16
+
+
+def _run(out, fix: str = "", opt=None):
+    """test_optim_fused's 8 blocks on one gloo rank, 8 steps, no budget: AdamW as torch picks it on the CPU (its loop)
+    unless ``opt`` builds another, ``fix`` run on it as printed: (run read back, losses)."""
+    return _blocks(out, fix, foreach=None, copies=None, steps=8, opt_class=opt)
+
+
+def _diagnose(run):
+    """(report, findings by code, statuses by code)."""
+    import fsdp_doctor
+    from fsdp_doctor.diagnose import diagnose
+
+    report, statuses = fsdp_doctor.build_report(run), []
+    found = {f.code: f for f in diagnose(run, report, statuses=statuses)}
+    return report, found, {s.code: s for s in statuses}
+
+
+def test_a_cpu_runs_looping_adamw_is_told_of_its_fused_step(tmp_path, gloo_one_rank):
+    """AdamW's default on the CPU loops over the 16 tensors of this rank's 526,336 elements, an operator dispatch per
+    tensor each: the finding says so with those counts, as a note (a CPU run: a GPU steps its parameters foreach on the
+    device), its prediction the step's own optimizer time scaled by the table's costs. Applied as printed, the
+    optimizer steps fused with the same losses, and the rule is quiet for it."""
+    from fsdp_doctor.diagnose.rules.optim import cpu_step_ms
+
+    run, losses = _run(tmp_path / "loop")
+    report, found, _ = _diagnose(run)
+    assert report.run.optimizer_impl == "for-loop"
+    f = found["optim.unfused_step"]
+    ev = f.evidence
+    assert f.severity == "info" and (ev["implementation"], ev["tensors"], ev["elements_per_rank"]) == (
+        "for-loop", _TENSORS, _ELEMENTS), ev
+    ratio = cpu_step_ms("fused", _ELEMENTS, _TENSORS) / cpu_step_ms("for-loop", _ELEMENTS, _TENSORS)
+    assert ev["fused_optimizer_ms_est"] == pytest.approx(ev["optimizer_ms_per_step"] * ratio, abs=1e-3), ev
+    p = f.predicted
+    assert p.step_ms_before - p.step_ms_after == pytest.approx(ev["optimizer_ms_per_step"] * (1 - ratio), abs=2e-3)
+    assert p.peak_bytes_after == p.peak_bytes_before == report.memory.peak_bytes, p  # (the loop makes no
+    # intermediates of a group: the fused step frees none)
+    assert "this run trains on the CPU" in f.recommendation.text and f.recommendation.where == "optimizer"
+    fixed, fixed_losses = _run(tmp_path / "fused", f.recommendation.code)
+    after, found_after, statuses = _diagnose(fixed)
+    assert fixed_losses == pytest.approx(losses, rel=1e-6, abs=1e-7)
+    assert after.run.optimizer_impl == "fused" and "optim.unfused_step" not in found_after
+    assert statuses["optim.unfused_step"].reason == "AdamW runs fused already"
+    new = {c for c, g in found_after.items() if g.severity != "info"} - {c for c, g in found.items()
+                                                                         if g.severity != "info"}
+    assert not new, new
+
+
+def test_sgd_on_the_cpu_is_left_alone(tmp_path, gloo_one_rank):
+    """SGD's fused kernel has no DTensor sharding rule (optim.foreach_temporaries' table): no fix to offer."""
+    run, _ = _run(tmp_path / "sgd", opt=lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9))
+    _, found, statuses = _diagnose(run)
+    assert "optim.unfused_step" not in found
+    assert statuses["optim.unfused_step"].reason.startswith("SGD's fused kernel has no DTensor sharding rule"), (
+        statuses["optim.unfused_step"])
+
+
+def test_the_recorded_h100_offload_run_steps_adamw_in_a_loop_on_its_host():
+    """The H100 row gpu_gpt_offload (CPUOffloadPolicy, AdamW as torch defaults it): its shards step on the host,
+    torch's loop there, 86.4 ms of a 170.5 ms step (the device waiting). A warning on a GPU run, its fused step
+    predicted from that time; offload.costly's (drop the offload: the state fits) beside it."""
+    report, found, _ = _diagnose(recorded_as_torch_holds_it("gpu_gpt_offload"))
+    assert report.run.optimizer_impl == "for-loop"
+    f = found["optim.unfused_step"]
+    ev = f.evidence
+    assert f.severity == "warning" and ev["implementation"] == "for-loop", (f.severity, ev)
+    assert ev["optimizer_ms_per_step"] == pytest.approx(86.4, abs=0.1) and ev["elements_per_rank"] > 9e6, ev
+    assert 0.2 < ev["fused_optimizer_ms_est"] / ev["optimizer_ms_per_step"] < 0.35, ev
+    assert "CPUOffloadPolicy keeps them in host memory, and the device waits" in f.recommendation.text
+    assert "offload.costly" in found
+
+
+def test_a_gpu_step_on_the_device_is_not_judged():
+    """The tuned H100 row steps AdamW foreach on the device: the rule predicts only a host's step, and says so."""
+    report, found, statuses = _diagnose(recorded_as_torch_holds_it("gpu_gpt_tuned"))
+    assert report.run.optimizer_impl == "foreach" and "optim.unfused_step" not in found
+    assert statuses["optim.unfused_step"].reason.startswith("AdamW steps the parameters on the GPU (foreach)")
