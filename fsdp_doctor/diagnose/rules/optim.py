@@ -455,10 +455,13 @@ def _fused_fix(ctx: Context) -> tuple[str, str, str]:
     code = S.titan_settings(titan, optimizer_implementation="fused") if titan is not None else None
     if code:
         return code, "torchtitan", f" {S.titan_says(titan)}, whose optimizer takes its implementation: 'fused'."
+    trainer = E.trainer_driven(ctx)
+    whose = "the Trainer's optimizer" if trainer else "the optimizer you built"
     return (S.fused_optimizer(), "optimizer",
-            " The snippet switches every group of the optimizer you built to it, before its first step (a step count "
-            "restored from a checkpoint is moved to the parameters' device, as the fused step wants it); or pass "
-            "fused=True where you build it.")
+            f" The snippet switches every group of {whose} to it, before its first step (a step count restored "
+            "from a checkpoint is moved to the parameters' device, as the fused step wants it); or "
+            + ("TrainingArguments(optim='adamw_torch_fused'), the Trainer's default from torch 2.8." if trainer
+               else "pass fused=True where you build it."))
 
 
 def _mixed_params(ctx: Context) -> Optional[str]:
