@@ -6,7 +6,7 @@ host, one thread (torchrun sets OMP_NUM_THREADS=1 for each rank).
    (CPU_OPTIMIZER_NS_PER_ELEMENT in fsdp_doctor/diagnose/rules/offload.py), which predicts the step after offloading.
 2. Adam's and AdamW's implementations (for-loop, foreach, fused): ns per element and us per tensor, fitted from 400
    tensors of 256 elements and 20 of 1 M, beside optim.unfused_step's table (CPU_STEP_COST in
-   fsdp_doctor/diagnose/rules/optim.py); then that rule's prediction checked on the GPT: its fused step predicted
+   fsdp_doctor/diagnose/thresholds.py); then that rule's prediction checked on the GPT: its fused step predicted
    from the loop's measured time scaled by the table, against the fused step measured, side by side.
 
     python benchmarks/cpu_optimizer_cost.py [--reps 5]
@@ -53,7 +53,8 @@ def main() -> int:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from fsdp_doctor.diagnose.rules.offload import CPU_OPTIMIZER_NS_PER_ELEMENT
-    from fsdp_doctor.diagnose.rules.optim import CPU_STEP_COST, cpu_step_ms
+    from fsdp_doctor.diagnose.estimate import cpu_step_ms
+    from fsdp_doctor.diagnose.thresholds import CPU_STEP_COST
     from fsdp_doctor.workloads import WorkloadConfig, build_model, free_port
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -168,7 +168,7 @@ def test_which_fused_kernels_run_on_fsdp2_parameters(name, gloo_one_rank):
     to fuse, and raises for the others torch fuses (DTensor has no sharding rule for their kernels)."""
     from torch.distributed.fsdp import fully_shard
 
-    from fsdp_doctor.diagnose.rules.optim import _UNFUSABLE, FUSED_OPTIMIZERS
+    from fsdp_doctor.diagnose.thresholds import FUSED_OPTIMIZERS, UNFUSABLE_OPTIMIZERS
     from fsdp_doctor.record.fsdp2 import enable_cpu_fsdp
 
     enable_cpu_fsdp()  # (torch 2.6: FSDP2 trains on the CPU with its back-ports; nothing on later releases)
@@ -180,7 +180,7 @@ def test_which_fused_kernels_run_on_fsdp2_parameters(name, gloo_one_rank):
         opt.step()
         assert all(opt.state[p] for p in model.parameters())
     else:
-        assert name in _UNFUSABLE
+        assert name in UNFUSABLE_OPTIMIZERS
         # (2.13 - 2.15: "... does not have a sharding strategy registered"; 2.6: "found no DeviceMesh from dtensor
         # args for aten._fused_sgd_.default!")
         with pytest.raises((NotImplementedError, AssertionError), match="sharding strategy|no DeviceMesh"):

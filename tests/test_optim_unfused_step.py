@@ -35,7 +35,7 @@ def test_a_cpu_runs_looping_adamw_is_told_of_its_fused_step(tmp_path, gloo_one_r
     tensor each: the finding says so with those counts, as a note (a CPU run: a GPU steps its parameters foreach on the
     device), its prediction the step's own optimizer time scaled by the table's costs. Applied as printed, the
     optimizer steps fused with the same losses, and the rule is quiet for it."""
-    from fsdp_doctor.diagnose.rules.optim import cpu_step_ms
+    from fsdp_doctor.diagnose.estimate import cpu_step_ms
 
     run, losses = _run(tmp_path / "loop")
     report, found, _ = _diagnose(run)
@@ -99,3 +99,27 @@ def test_a_gpu_step_on_the_device_is_not_judged():
     report, found, statuses = _diagnose(recorded_as_torch_holds_it("gpu_gpt_tuned"))
     assert report.run.optimizer_impl == "foreach" and "optim.unfused_step" not in found
     assert statuses["optim.unfused_step"].reason.startswith("AdamW steps the parameters on the GPU (foreach)")
+
+
+def test_offloading_a_fused_adamw_predicts_its_fused_host_step():
+    """offload.recommended's step after the offload counts the optimizer on the host in the implementation the
+    user's optimizer would take there: the H100 row gpu_gpt_offload_needed (9.73 M elements a rank, its state 148 MiB
+    of a peak at 97% of its budget) read as built now, AdamW fused: its host step predicted from the loop's 8 ns an
+    element scaled by the table's fused/loop ratio, about 20 ms where the loop's figure is 78 ms."""
+    from fsdp_doctor.diagnose.estimate import cpu_step_ms
+    from fsdp_doctor.diagnose.rules.offload import CPU_OPTIMIZER_NS_PER_ELEMENT
+
+    run = recorded_as_torch_holds_it("gpu_gpt_offload_needed")
+    for rd in run.ranks.values():
+        for g in rd.config.optimizer_groups:
+            g.flags = {"foreach": False, "fused": True}
+    _, found, _ = _diagnose(run)
+    f = found["offload.recommended"]
+    elements, tensors = 9_728_000, sum(g.params for g in run.ranks[0].config.optimizer_groups)
+    loop = elements * CPU_OPTIMIZER_NS_PER_ELEMENT["AdamW"] / 1e6
+    want = loop * cpu_step_ms("fused", elements, tensors) / cpu_step_ms("for-loop", elements, tensors)
+    assert f.evidence["cpu_optimizer_ms_per_step_est"] == pytest.approx(want, rel=0.01), (f.evidence, want, loop)
+    assert "AdamW steps on the CPU (fused), about 20 ms" in f.recommendation.text, f.recommendation.text
+    ev = f.evidence
+    assert f.predicted.step_ms_after == pytest.approx(ev["step_p50_ms"] + ev["copy_ms_per_step_est"] + want
+                                                      - ev["optimizer_ms_per_step"], abs=0.01)

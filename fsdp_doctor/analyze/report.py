@@ -18,16 +18,17 @@ from .steps import loss_chunks, usable_steps
 from ..report_sections import SCHEMA  # noqa: F401  (re-exported)
 
 
-def optimizer_impl(cfg) -> Optional[str]:
+def optimizer_impl(cfg, on_host: bool = False) -> Optional[str]:
     """How torch's optimizer steps, from its groups' switches (OptimizerGroup.flags) as torch resolves them: "fused"
     where fused is set, "foreach" where foreach is or where neither is and the parameters are on CUDA (torch's
     default for them, DTensor included), else "for-loop" (the CPU's default, and CPUOffloadPolicy's: the offloaded
     shards it steps are host tensors, foreach only where every tensor of a group is on the device); "mixed" where the
-    groups differ. None where no group holds the switches (another library's optimizer, or records before them)."""
+    groups differ. None where no group holds the switches (another library's optimizer, or records before them).
+    ``on_host``: how it would step the parameters offloaded to the host."""
     groups = [g.flags for g in getattr(cfg, "optimizer_groups", None) or []]
     if not groups or any("fused" not in f and "foreach" not in f for f in groups):
         return None
-    offloaded = any(u.offload for u in getattr(cfg, "units", None) or [] if u.param_count)
+    offloaded = on_host or any(u.offload for u in getattr(cfg, "units", None) or [] if u.param_count)
     default = "foreach" if str(getattr(cfg, "device", "") or "").startswith("cuda") and not offloaded else "for-loop"
     impls = {"fused" if f.get("fused") else "foreach" if f.get("foreach") else
              "for-loop" if f.get("foreach") is False else default for f in groups}

@@ -552,6 +552,14 @@ def grad_shard_elements(us: Iterable[Unit]) -> int:
                for u in us)
 
 
+def cpu_step_ms(impl: str, elements: int, tensors: int) -> float:
+    """T.CPU_STEP_COST's model of an Adam or AdamW step of ``impl`` ("for-loop", "foreach", "fused") on one CPU
+    thread over ``tensors`` DTensor parameters of ``elements`` elements in all (ms): its ratios scale a measured
+    step."""
+    ns, us = T.CPU_STEP_COST[impl]
+    return elements * ns / 1e6 + tensors * us / 1e3
+
+
 #: bytes per element of the floating dtypes a unit's parameters, compute and reduction use
 DTYPE_WIDTH = {"float8_e4m3fn": 1, "float8_e5m2": 1, "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 

@@ -66,3 +66,20 @@ TRACE_STRAGGLER_MIN_MS = 0.5
 # not work done every few steps (jitter.recurring_outside, straggler.intermittent; two in a row can be one save that
 # spans a step boundary)
 STRETCH_MIN_STEPS = 3
+
+# torch's optimizers whose fused implementation (fused=True: one kernel per step on CUDA and, from torch 2.4, the
+# CPU) runs on FSDP2's DTensor parameters: DTensor has a sharding rule for Adam's and AdamW's fused kernels only
+# (torch 2.6 - 2.15, torch/distributed/tensor/_ops/_pointwise_ops.py); SGD's and Adagrad's raise (2.13 - 2.15:
+# "aten._fused_sgd_.default does not have a sharding strategy registered"; 2.6: "found no DeviceMesh")
+FUSED_OPTIMIZERS = ("Adam", "AdamW")
+UNFUSABLE_OPTIMIZERS = ("SGD", "Adagrad")  # fused in torch, not on DTensor parameters
+
+# What Adam's and AdamW's step costs on one CPU thread (torchrun's OMP_NUM_THREADS=1) over FSDP2's sharded DTensor
+# parameters, by implementation: (ns per element, us per tensor), fitted on this project's CPU VM from 400 tensors of
+# 256 elements and 20 of 1 M (benchmarks/cpu_optimizer_cost.py fits them again). The loop dispatches every operator
+# of the update once per tensor, each a DTensor dispatch; foreach once per operator for all of them, with an
+# intermediate per operator; fused makes one call. Their ratios scale a step's measured time (optim.unfused_step: the
+# fused step from the loop's; offload.recommended: the host's step in the implementation it would take from the
+# loop's per-element figure), so that the host's speed cancels (the same VM looped at 5.0 and 8.05 ns per element in
+# two sessions)
+CPU_STEP_COST = {"for-loop": (4.55, 119.5), "foreach": (3.92, 31.8), "fused": (1.24, 20.6)}

@@ -3,6 +3,7 @@ make a run fit, and offloading from pageable (unpinned) host memory."""
 
 from __future__ import annotations
 
+from ...analyze.report import optimizer_impl
 from ...report_sections import Copies
 from ...units import fmt_bytes, fmt_share
 from .. import estimate as E
@@ -192,7 +193,15 @@ class OffloadRecommended(Rule):
         optim = ctx.config.optimizer if ctx.config is not None and ctx.config.optimizer else "AdamW"
         ns = CPU_OPTIMIZER_NS_PER_ELEMENT.get(optim, CPU_OPTIMIZER_NS_PER_ELEMENT["AdamW"])
         elements = E.grad_shard_elements(us)
-        cpu_opt_ms = elements * ns / 1e6
+        cpu_opt_ms = elements * ns / 1e6  # (torch's default there, the loop)
+        # in the implementation the user's optimizer would take on the host (fused where its groups say so: the GPU
+        # row gpu_gpt_offload_needed builds AdamW fused), scaled from the loop's by T.CPU_STEP_COST; and fused's
+        # figure where it loops and could fuse (optim.unfused_step's lever once offloaded)
+        impl, fused_ms = optimizer_impl(ctx.config, on_host=True), None
+        if optim in T.FUSED_OPTIMIZERS and impl in T.CPU_STEP_COST:
+            tensors = sum(g.params for g in ctx.config.optimizer_groups)
+            loop = E.cpu_step_ms("for-loop", elements, tensors)
+            cpu_opt_ms, fused_ms = (cpu_opt_ms * E.cpu_step_ms(i, elements, tensors) / loop for i in (impl, "fused"))
         gpu_opt_ms = E.phase_ms(ctx, "optimizer") or 0.0
         after = step + copy_ms + cpu_opt_ms - gpu_opt_ms if step is not None else None
         return [self.finding(
@@ -205,10 +214,13 @@ class OffloadRecommended(Rule):
              "step_p50_ms": step},
             f"The persistent sharded state ({fmt_bytes(state)}) is what fills the device. CPUOffloadPolicy keeps "
             "it on the host: parameters are copied in for each unshard, gradients out after each "
-            f"reduce-scatter (about {copy_ms:.1f} ms per step), and {optim} steps on the CPU, about "
-            f"{cpu_opt_ms:.0f} ms for this rank's {elements / 1e6:.2f} M elements on one thread against "
-            f"{gpu_opt_ms:.1f} ms on the device now: the step slows by about {copy_ms + cpu_opt_ms - gpu_opt_ms:.0f} "
-            "ms. Prefer more ranks or checkpointing first if they are an option.",
+            f"reduce-scatter (about {copy_ms:.1f} ms per step), and {optim} steps on the CPU"
+            + (f" ({impl})" if fused_ms is not None else "") + f", about {cpu_opt_ms:.0f} ms for this rank's "
+            f"{elements / 1e6:.2f} M elements on one thread against {gpu_opt_ms:.1f} ms on the device now: the step "
+            f"slows by about {copy_ms + cpu_opt_ms - gpu_opt_ms:.0f} ms"
+            + (f" (build {optim} with fused=True for about {fused_ms:.0f} ms there: optim.unfused_step)"
+               if fused_ms is not None and impl != "fused" else "")
+            + ". Prefer more ranks or checkpointing first if they are an option.",
             **_plugin_or(ctx, True, S.shard_plan(
                 S.tree(ctx), extra_kwargs=", offload_policy=CPUOffloadPolicy(pin_memory=True)")),
             predicted=E.predicted(step, after, peak, peak - state),

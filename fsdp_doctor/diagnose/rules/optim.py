@@ -365,13 +365,7 @@ class OptimizerStateDominates(Rule):
             predicted=E.predicted(step, step, peak, peak - saved))]
 
 
-# torch's optimizers whose fused implementation (fused=True: one kernel per step on CUDA and, from torch 2.4, the
-# CPU) runs on FSDP2's DTensor parameters: DTensor has a sharding rule for Adam's and AdamW's fused kernels only
-# (torch 2.6 - 2.15, torch/distributed/tensor/_ops/_pointwise_ops.py); SGD's and Adagrad's raise NotImplementedError
-# ("aten._fused_sgd_.default does not have a sharding strategy registered", torch 2.13 on the CPU). And the marks of
-# the optimizer step on a memory timeline
-FUSED_OPTIMIZERS = ("Adam", "AdamW")
-_UNFUSABLE = ("SGD", "Adagrad")  # fused in torch, not on DTensor parameters
+# the marks of the optimizer step on a memory timeline
 _OPTIMIZER_PHASES = ("optimizer_start", "in_optimizer", "optimizer_end")
 # The optimizer step's own temporaries are worth a finding from this share of a peak that lies in the step, and
 # the fused step's a warning where it lowers the peak by this share of it (or under NEAR_CAPACITY_SHARE): below, the
@@ -384,7 +378,7 @@ FUSED_WARN_DROP_SHARE = 0.05
 def _no_fused(opt: str) -> str:
     """Why ``opt`` is not told to run fused."""
     return (f"{opt}'s fused kernel has no DTensor sharding rule in torch: fused=True raises on FSDP2's parameters"
-            if opt in _UNFUSABLE else f"{opt} has no fused implementation in torch")
+            if opt in T.UNFUSABLE_OPTIMIZERS else f"{opt} has no fused implementation in torch")
 
 
 @register
@@ -410,11 +404,11 @@ class ForeachTemporaries(Rule):
             return self.quiet(E.below_share("temporaries made in the step", tmp, peak, "the peak",
                                             STEP_TEMPORARIES_SHARE_MIN))
         groups = getattr(ctx.config, "optimizer_groups", None) or []
-        if opt not in FUSED_OPTIMIZERS or not groups or any("fused" not in g.flags for g in groups):
+        if opt not in T.FUSED_OPTIMIZERS or not groups or any("fused" not in g.flags for g in groups):
             return self.quiet(_no_fused(opt) + f" (its step's temporaries: {fmt_bytes(tmp)}, {fmt_share(tmp / peak)} "
                               "of the peak)" + (
                                   "; its groups hold no 'fused' switch: not torch's own (or recorded before the "
-                                  "switches were)" if opt in FUSED_OPTIMIZERS
+                                  "switches were)" if opt in T.FUSED_OPTIMIZERS
                                   else ""))
         if all(g.flags.get("fused") for g in groups):
             return self.quiet(f"{opt} runs fused already (its step's temporaries: {fmt_bytes(tmp)})")
@@ -472,25 +466,11 @@ def _mixed_params(ctx: Context) -> Optional[str]:
     return None
 
 
-# What Adam's and AdamW's step costs on one CPU thread (torchrun's OMP_NUM_THREADS=1) over FSDP2's sharded DTensor
-# parameters, by implementation: (ns per element, us per tensor), fitted on this project's CPU VM from 400 tensors of
-# 256 elements and 20 of 1 M (benchmarks/cpu_optimizer_cost.py fits them again). The loop dispatches every operator
-# of the update once per tensor, each a DTensor dispatch; foreach once per operator for all of them, with an
-# intermediate per operator; fused makes one call. The fused step's time is predicted as the step's own measured
-# time scaled by the two implementations' costs for this rank's tensors and elements, so that the host's speed
-# cancels (the same VM looped at 5.0 and 8.05 ns per element in two sessions)
-CPU_STEP_COST = {"for-loop": (4.55, 119.5), "foreach": (3.92, 31.8), "fused": (1.24, 20.6)}
 # The fused step is worth a note from this share of the step saved, and on a GPU run (offloaded shards) a warning
 # from this share on; on a CPU run a note at most: there the device's parameters step on the host, where a GPU's
 # step foreach on the device by default
 UNFUSED_MIN_GAIN_SHARE = 0.02
 UNFUSED_WARN_GAIN_SHARE = 0.05
-
-
-def cpu_step_ms(impl: str, elements: int, tensors: int) -> float:
-    """CPU_STEP_COST's model of a step of ``impl`` over ``tensors`` tensors of ``elements`` elements in all (ms)."""
-    ns, us = CPU_STEP_COST[impl]
-    return elements * ns / 1e6 + tensors * us / 1e3
 
 
 @register
@@ -507,7 +487,7 @@ class UnfusedHostStep(Rule):
         cfg = ctx.config
         opt = getattr(cfg, "optimizer", None) or "the optimizer"
         impl = ctx.report.run.optimizer_impl if isinstance(ctx.report.run.optimizer_impl, str) else None
-        if opt not in FUSED_OPTIMIZERS:
+        if opt not in T.FUSED_OPTIMIZERS:
             return self.quiet(_no_fused(opt))
         if cfg.optimizer_in_backward:
             return self.quiet(f"{opt} steps inside the backward, one optimizer per parameter: a fused step over one "
@@ -531,7 +511,7 @@ class UnfusedHostStep(Rule):
             return self.quiet("no optimizer step was timed")
         elements = E.grad_shard_elements(us)
         tensors = sum(g.params for g in cfg.optimizer_groups)
-        fused_ms = opt_ms * cpu_step_ms("fused", elements, tensors) / cpu_step_ms(impl, elements, tensors)
+        fused_ms = opt_ms * E.cpu_step_ms("fused", elements, tensors) / E.cpu_step_ms(impl, elements, tensors)
         gain = opt_ms - fused_ms
         if gain < UNFUSED_MIN_GAIN_SHARE * step:
             return self.quiet(E.below_share(f"the fused step's saving ({impl} {opt_ms:.1f} ms -> {fused_ms:.1f} ms)",
