@@ -375,10 +375,21 @@ STEP_TEMPORARIES_SHARE_MIN = 0.10
 FUSED_WARN_DROP_SHARE = 0.05
 
 
-def _no_fused(opt: str) -> str:
-    """Why ``opt`` is not told to run fused."""
-    return (f"{opt}'s fused kernel has no DTensor sharding rule in torch: fused=True raises on FSDP2's parameters"
-            if opt in T.UNFUSABLE_OPTIMIZERS else f"{opt} has no fused implementation in torch")
+def _not_fusable(ctx: Context, opt: str) -> Optional[str]:
+    """Why the fused switch is no fix for ``opt`` here, or None where it is: torch fuses it on DTensor parameters,
+    its groups hold the switch, some are not fused yet, and no group would mix DTensor and plain parameters."""
+    if opt not in T.FUSED_OPTIMIZERS:
+        return (f"{opt}'s fused kernel has no DTensor sharding rule in torch: fused=True raises on FSDP2's parameters"
+                if opt in T.UNFUSABLE_OPTIMIZERS else f"{opt} has no fused implementation in torch")
+    groups = getattr(ctx.config, "optimizer_groups", None) or []
+    if not groups or any("fused" not in g.flags for g in groups):
+        return f"{opt}'s groups hold no 'fused' switch: not torch's own (or recorded before the switches were)"
+    if all(g.flags.get("fused") for g in groups):
+        return f"{opt} runs fused already"
+    if getattr(ctx.config, "unmanaged_param_bytes", None):  # (aten._fused_adamw_ "got mixed torch.Tensor and
+        # DTensor": a group holding both raises, fused as foreach)
+        return "parameters outside every FSDP unit: a group holding them beside DTensor parameters cannot run fused"
+    return None
 
 
 @register
@@ -403,17 +414,8 @@ class ForeachTemporaries(Rule):
         if tmp / peak < STEP_TEMPORARIES_SHARE_MIN:
             return self.quiet(E.below_share("temporaries made in the step", tmp, peak, "the peak",
                                             STEP_TEMPORARIES_SHARE_MIN))
-        groups = getattr(ctx.config, "optimizer_groups", None) or []
-        if opt not in T.FUSED_OPTIMIZERS or not groups or any("fused" not in g.flags for g in groups):
-            return self.quiet(_no_fused(opt) + f" (its step's temporaries: {fmt_bytes(tmp)}, {fmt_share(tmp / peak)} "
-                              "of the peak)" + (
-                                  "; its groups hold no 'fused' switch: not torch's own (or recorded before the "
-                                  "switches were)" if opt in T.FUSED_OPTIMIZERS
-                                  else ""))
-        if all(g.flags.get("fused") for g in groups):
-            return self.quiet(f"{opt} runs fused already (its step's temporaries: {fmt_bytes(tmp)})")
-        if why := _mixed_params(ctx):
-            return self.quiet(why)
+        if why := _not_fusable(ctx, opt):
+            return self.quiet(f"{why}; its step's temporaries: {fmt_bytes(tmp)}, {fmt_share(tmp / peak)} of the peak")
         # fused: no intermediates (a new-user trial's AdamW on the CPU: 16.01 MiB of foreach temporaries, 0 fused)
         added = [-max(0, int(r.get("temporaries") or 0) - held) if r.get("phase") in _OPTIMIZER_PHASES else 0
                  for r in pm.timeline or []]
@@ -458,14 +460,6 @@ def _fused_fix(ctx: Context) -> tuple[str, str, str]:
                else "pass fused=True where you build it."))
 
 
-def _mixed_params(ctx: Context) -> Optional[str]:
-    """Why fused cannot run here: parameters outside every unit (aten._fused_adamw_ "got mixed torch.Tensor and
-    DTensor": a group holding both raises, fused as foreach)."""
-    if getattr(ctx.config, "unmanaged_param_bytes", None):
-        return "parameters outside every FSDP unit: a group holding them beside DTensor parameters cannot run fused"
-    return None
-
-
 # The fused step is worth a note from this share of the step saved, and on a GPU run (offloaded shards) a warning
 # from this share on; on a CPU run a note at most: there the device's parameters step on the host, where a GPU's
 # step foreach on the device by default
@@ -487,25 +481,19 @@ class UnfusedHostStep(Rule):
         cfg = ctx.config
         opt = getattr(cfg, "optimizer", None) or "the optimizer"
         impl = ctx.report.run.optimizer_impl if isinstance(ctx.report.run.optimizer_impl, str) else None
-        if opt not in T.FUSED_OPTIMIZERS:
-            return self.quiet(_no_fused(opt))
-        if cfg.optimizer_in_backward:
+        if getattr(cfg, "optimizer_in_backward", 0):
             return self.quiet(f"{opt} steps inside the backward, one optimizer per parameter: a fused step over one "
                               "tensor is not predicted, nor does the fix reach those optimizers")
-        if impl is None:
-            return self.quiet(f"{opt}'s groups hold no 'fused' switch: not torch's own (or recorded before the "
-                              "switches were)")
-        if impl in ("fused", "mixed"):
-            return self.quiet(f"{opt} runs fused already" if impl == "fused" else
-                              f"{opt}'s groups differ in implementation (some fused)")
+        if why := _not_fusable(ctx, opt):
+            return self.quiet(why)
+        if impl not in T.CPU_STEP_COST:
+            return self.quiet(f"{opt}'s groups step in different implementations: the step's time is not predicted")
         us = E.param_units(ctx)
         offloaded = [u for u in us if u.offload]
         gpu = E.on_gpu(ctx)
         if gpu and not offloaded:
             return self.quiet(f"{opt} steps the parameters on the GPU ({impl}): the fused step's time there is not "
                               "predicted (only the host's is)")
-        if why := _mixed_params(ctx):
-            return self.quiet(why)
         opt_ms, step = E.phase_ms(ctx, "optimizer"), E.step_ms(ctx)
         if not opt_ms or not step:
             return self.quiet("no optimizer step was timed")
