@@ -123,3 +123,17 @@ def test_offloading_a_fused_adamw_predicts_its_fused_host_step():
     ev = f.evidence
     assert f.predicted.step_ms_after == pytest.approx(ev["step_p50_ms"] + ev["copy_ms_per_step_est"] + want
                                                       - ev["optimizer_ms_per_step"], abs=0.01)
+
+
+def test_low_mfu_reads_the_offloaded_optimizer_as_host_time_of_its_own():
+    """The same H100 row's trace reads 98.3 ms of its 170 ms step as the device waiting for the host; 86.4 ms of it
+    is the offloaded AdamW stepping on the CPU, which torch.compile and CUDA graphs (the launch-overhead lever,
+    named first before) cannot recover: throughput.low_mfu names that lever first, and its fixes' rules."""
+    _, found, _ = _diagnose(recorded_as_torch_holds_it("gpu_gpt_offload"))
+    f = found["throughput.low_mfu"]
+    ev = f.evidence
+    assert ev["lever_order"][:2] == ["optimizer on the host", "host overhead"], ev["lever_order"]
+    assert ev["recoverable_ms"]["optimizer on the host"] == pytest.approx(86.4, abs=0.1), ev
+    assert ev["recoverable_ms"]["host overhead"] < 15, ev
+    assert "optim.unfused_step" in f.recommendation.text and "offload.costly" in f.recommendation.text
+    assert "torch.compile" not in f.recommendation.text.split("Fix:")[1], f.recommendation.text
