@@ -129,7 +129,9 @@ def test_low_mfu_reads_the_offloaded_optimizer_as_host_time_of_its_own():
     """The same H100 row's trace reads 98.3 ms of its 170 ms step as the device waiting for the host; 86.4 ms of it
     is the offloaded AdamW stepping on the CPU, which torch.compile and CUDA graphs (the launch-overhead lever,
     named first before) cannot recover: throughput.low_mfu names that lever first, and its fixes' rules."""
-    _, found, _ = _diagnose(recorded_as_torch_holds_it("gpu_gpt_offload"))
+    _, found, statuses = _diagnose(recorded_as_torch_holds_it("gpu_gpt_offload"))
+    # (and the host-bound verdict counts the host's optimizer among its levers)
+    assert "optim.unfused_step" in statuses["verdict.severe"].reason, statuses["verdict.severe"]
     f = found["throughput.low_mfu"]
     ev = f.evidence
     assert ev["lever_order"][:2] == ["optimizer on the host", "host overhead"], ev["lever_order"]

@@ -59,14 +59,14 @@ _COMM = ("comm.", "prefetch.", "reshard.", "wrap.too_fine", "wrap.too_coarse", "
 _ADDRESSED_BY = {
     "communication": _COMM, "model_parallel": _COMM,
     "all_reduce": ("comm.", "accum.", "optim.step_comm", "straggler."),
-    "host": ("kernels.", "jitter.gc", "prefetch.sync_unshard", "offload.", "optim.step_comm"),
+    "host": ("kernels.", "jitter.gc", "prefetch.sync_unshard", "offload.", "optim.step_comm", "optim.unfused_step"),
     "input": ("jitter.data_wait", "checkpoint.blocking", "memory.eval_autograd", "optim.step_comm", "straggler."),
     "idle": ("straggler.", "jitter.data_wait", "memory.alloc_retries", "offload.", "comm.on_compute_stream"),
 }
 _COMM_KINDS = ("communication", "model_parallel", "all_reduce")
 # throughput.low_mfu names one lever first (its evidence's first_lever): the bound that lever addresses
 _MFU_LEVER_BOUND = {"overlap": "communication", "fewer, larger units": "communication", "GC pauses": "host",
-                    "host overhead": "host", "input pipeline": "input"}
+                    "host overhead": "host", "optimizer on the host": "host", "input pipeline": "input"}
 
 
 def _addresses(f, kind: str) -> bool:
