@@ -139,3 +139,17 @@ def test_low_mfu_reads_the_offloaded_optimizer_as_host_time_of_its_own():
     assert ev["recoverable_ms"]["host overhead"] < 15, ev
     assert "optim.unfused_step" in f.recommendation.text and "offload.costly" in f.recommendation.text
     assert "torch.compile" not in f.recommendation.text.split("Fix:")[1], f.recommendation.text
+
+
+def test_the_elements_stepped_are_the_optimizers_own(tmp_path, gloo_one_rank):
+    """An optimizer over the last block only steps that block's 65,792 elements, not the 8 blocks' 526,336: the
+    elements the step's cost is modelled on (and offload.recommended's host step) leave out the parameters it does
+    not hold (RunConfig.untrained's split per unit)."""
+    import fsdp_doctor
+    from fsdp_doctor.diagnose import estimate as E
+    from fsdp_doctor.diagnose.base import Context
+
+    run, _ = _run(tmp_path / "top", opt=lambda ps, lr: torch.optim.AdamW(list(ps)[-2:], lr=lr))
+    ctx = Context(run, fsdp_doctor.build_report(run))
+    assert E.optimizer_shard_elements(ctx, E.param_units(ctx)) == 256 * 256 + 256
+    assert sum(g.params for g in ctx.config.optimizer_groups) == 2

@@ -545,11 +545,16 @@ def grad_shard_bytes(u: Unit) -> int:
     return u.sharded_bytes if u.trainable_sharded_bytes is None else u.trainable_sharded_bytes
 
 
-def grad_shard_elements(us: Iterable[Unit]) -> int:
-    """This rank's trainable parameter elements over the units (what the optimizer steps; grad_shard_bytes in their
-    dtype's elements)."""
-    return sum(grad_shard_bytes(u) // (dtype_bytes(u.orig_dtypes[0] if u.orig_dtypes else "float32") or 4)
-               for u in us)
+def optimizer_shard_elements(ctx: Context, us: Iterable[Unit]) -> int:
+    """This rank's parameter elements the optimizer steps: the units' trainable shards less the parameters it does
+    not hold (RunConfig.untrained's per-unit split; an optimizer over the last block steps that block's only)."""
+    split = getattr(getattr(ctx.config, "untrained", None), "units", None) or {}
+    total = 0
+    for u in us:
+        n = grad_shard_bytes(u) // (dtype_bytes(u.orig_dtypes[0] if u.orig_dtypes else "float32") or 4)
+        outside, held = split.get(u.name) or (0, 0)
+        total += n * held // (outside + held) if outside else n
+    return total
 
 
 def cpu_step_ms(impl: str, elements: int, tensors: int) -> float:

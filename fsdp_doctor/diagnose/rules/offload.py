@@ -192,7 +192,7 @@ class OffloadRecommended(Rule):
         # step, predicted 84 ms from the copies alone)
         optim = ctx.config.optimizer if ctx.config is not None and ctx.config.optimizer else "AdamW"
         ns = CPU_OPTIMIZER_NS_PER_ELEMENT.get(optim, CPU_OPTIMIZER_NS_PER_ELEMENT["AdamW"])
-        elements = E.grad_shard_elements(us)
+        elements = E.optimizer_shard_elements(ctx, us)
         cpu_opt_ms = elements * ns / 1e6  # (torch's default there, the loop)
         # in the implementation the user's optimizer would take on the host (fused where its groups say so: the GPU
         # row gpu_gpt_offload_needed builds AdamW fused), scaled from the loop's by T.CPU_STEP_COST; and fused's

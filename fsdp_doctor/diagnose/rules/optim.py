@@ -497,7 +497,7 @@ class UnfusedHostStep(Rule):
         opt_ms, step = E.phase_ms(ctx, "optimizer"), E.step_ms(ctx)
         if not opt_ms or not step:
             return self.quiet("no optimizer step was timed")
-        elements = E.grad_shard_elements(us)
+        elements = E.optimizer_shard_elements(ctx, us)
         tensors = sum(g.params for g in cfg.optimizer_groups)
         fused_ms = opt_ms * E.cpu_step_ms("fused", elements, tensors) / E.cpu_step_ms(impl, elements, tensors)
         gain = opt_ms - fused_ms
