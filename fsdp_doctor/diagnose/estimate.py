@@ -605,6 +605,11 @@ def param_units(ctx: Context) -> list[Unit]:
     return [u for u in units(ctx) if u.param_count > 0]
 
 
+def offloaded_units(ctx: Context) -> list[Unit]:
+    """The units with parameters that CPUOffloadPolicy keeps in host memory (their optimizer steps on the CPU)."""
+    return [u for u in param_units(ctx) if u.offload == "cpu"]
+
+
 def non_root(us: Iterable[Unit]) -> list[Unit]:
     return [u for u in us if not u.is_root]
 

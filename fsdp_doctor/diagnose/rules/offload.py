@@ -55,10 +55,6 @@ def _plugin_or(ctx: Context, on: bool, code: str) -> dict:
     return {"code": S.plugin_offload(lever, on), "where": lever}
 
 
-def _offloaded(ctx: Context) -> list[E.Unit]:
-    return [u for u in E.param_units(ctx) if u.offload == "cpu"]
-
-
 @register
 class OffloadCostly(Rule):
     code = "offload.costly"
@@ -72,7 +68,7 @@ class OffloadCostly(Rule):
             return self._from_plain_trace(ctx)
         if not E.on_gpu(ctx):
             return self.quiet(_NOT_GPU)
-        off = _offloaded(ctx)
+        off = E.offloaded_units(ctx)
         if not off:
             return self.quiet("no unit is offloaded")
         step, peak, cap = E.step_ms(ctx), E.peak_bytes(ctx), E.capacity_bytes(ctx)
@@ -168,7 +164,7 @@ class OffloadRecommended(Rule):
     last = True  # (judged on the peak the fused step leaves where optim.foreach_temporaries fired: ctx.earlier)
 
     def match(self, ctx: Context):
-        if not E.on_gpu(ctx) or _offloaded(ctx):
+        if not E.on_gpu(ctx) or E.offloaded_units(ctx):
             return self.quiet("offload is on" if E.on_gpu(ctx) else _NOT_GPU)
         peak, cap, step = E.peak_bytes(ctx), E.capacity_bytes(ctx), E.step_ms(ctx)
         if not peak or not cap:
@@ -238,9 +234,10 @@ class OffloadUnpinned(Rule):
     def match(self, ctx: Context):
         if not E.on_gpu(ctx):
             return self.quiet(_NOT_GPU)
-        bad = [u for u in _offloaded(ctx) if u.offload_pin_memory is False]
+        off = E.offloaded_units(ctx)
+        bad = [u for u in off if u.offload_pin_memory is False]
         if not bad:
-            return self.quiet("no unit offloads to pageable memory" if _offloaded(ctx) else "no unit is offloaded")
+            return self.quiet("no unit offloads to pageable memory" if off else "no unit is offloaded")
         step = E.step_ms(ctx)
         tot, exposed = _copies_ms(ctx)
         saved = (tot or 0) * (1 - 1 / PAGEABLE_SLOWDOWN)

@@ -488,8 +488,7 @@ class UnfusedHostStep(Rule):
             return self.quiet(why)
         if impl not in T.CPU_STEP_COST:
             return self.quiet(f"{opt}'s groups step in different implementations: the step's time is not predicted")
-        us = E.param_units(ctx)
-        offloaded = [u for u in us if u.offload]
+        us, offloaded = E.param_units(ctx), E.offloaded_units(ctx)
         gpu = E.on_gpu(ctx)
         if gpu and not offloaded:
             return self.quiet(f"{opt} steps the parameters on the GPU ({impl}): the fused step's time there is not "

@@ -294,8 +294,8 @@ def _levers(ctx: Context, step: float, groups: dict[str, float], records: bool, 
     # CPUOffloadPolicy's optimizer steps the shards on the host while the device waits: host time no launch lever
     # recovers (the H100 row gpu_gpt_offload: AdamW's loop on the host, 86.4 ms of the 98.3 ms read as the device
     # waiting for launches, where torch.compile was named first)
-    offloaded = any(u.offload for u in getattr(cfg, "units", None) or [] if u.param_count)
-    host_opt = min(host, E.phase_ms(ctx, "optimizer") or 0.0) if gpu and offloaded and E.on_gpu(ctx) else 0.0
+    host_opt = (min(host, E.phase_ms(ctx, "optimizer") or 0.0) if gpu and E.on_gpu(ctx) and E.offloaded_units(ctx)
+                else 0.0)
     if host_opt > 0:
         out.append(_Lever("optimizer on the host", host_opt, f"the optimizer stepping the offloaded shards on the CPU "
                           f"{host_opt:.1f} ms ({fmt_share(host_opt / step)})",
