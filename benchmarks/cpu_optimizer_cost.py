@@ -53,7 +53,7 @@ def main() -> int:
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     from fsdp_doctor.diagnose.rules.offload import CPU_OPTIMIZER_NS_PER_ELEMENT
-    from fsdp_doctor.diagnose.estimate import cpu_step_ms
+    from fsdp_doctor.diagnose.estimate import cpu_step_ratio
     from fsdp_doctor.diagnose.thresholds import CPU_STEP_COST
     from fsdp_doctor.workloads import WorkloadConfig, build_model, free_port
 
@@ -104,7 +104,7 @@ def main() -> int:
                 tns, tus = CPU_STEP_COST[impl]
                 print(f"{name:10} {impl:9} {t1:9.2f} {t2:9.2f} {ns:9.2f} ({tns:4.2f}) {us:9.1f} ({tus:4.1f})")
         fused = _time(torch.optim.AdamW(params, lr=1e-3, fused=True), a.reps)
-        predicted = gpt["AdamW"] * cpu_step_ms("fused", n, len(params)) / cpu_step_ms("for-loop", n, len(params))
+        predicted = gpt["AdamW"] * cpu_step_ratio("fused", "for-loop", n, len(params))
         print(f"\noptim.unfused_step on the GPT: AdamW for-loop {gpt['AdamW']:.1f} ms measured; fused "
               f"{predicted:.1f} ms predicted, {fused:.1f} ms measured ({predicted / fused:.2f}x)")
     finally:

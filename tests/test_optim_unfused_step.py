@@ -35,7 +35,7 @@ def test_a_cpu_runs_looping_adamw_is_told_of_its_fused_step(tmp_path, gloo_one_r
     tensor each: the finding says so with those counts, as a note (a CPU run: a GPU steps its parameters foreach on the
     device), its prediction the step's own optimizer time scaled by the table's costs. Applied as printed, the
     optimizer steps fused with the same losses, and the rule is quiet for it."""
-    from fsdp_doctor.diagnose.estimate import cpu_step_ms
+    from fsdp_doctor.diagnose.estimate import cpu_step_ratio
 
     run, losses = _run(tmp_path / "loop")
     report, found, _ = _diagnose(run)
@@ -44,7 +44,7 @@ def test_a_cpu_runs_looping_adamw_is_told_of_its_fused_step(tmp_path, gloo_one_r
     ev = f.evidence
     assert f.severity == "info" and (ev["implementation"], ev["tensors"], ev["elements_per_rank"]) == (
         "for-loop", _TENSORS, _ELEMENTS), ev
-    ratio = cpu_step_ms("fused", _ELEMENTS, _TENSORS) / cpu_step_ms("for-loop", _ELEMENTS, _TENSORS)
+    ratio = cpu_step_ratio("fused", "for-loop", _ELEMENTS, _TENSORS)
     assert ev["fused_optimizer_ms_est"] == pytest.approx(ev["optimizer_ms_per_step"] * ratio, abs=1e-3), ev
     p = f.predicted
     assert p.step_ms_before - p.step_ms_after == pytest.approx(ev["optimizer_ms_per_step"] * (1 - ratio), abs=2e-3)
@@ -106,7 +106,7 @@ def test_offloading_a_fused_adamw_predicts_its_fused_host_step():
     user's optimizer would take there: the H100 row gpu_gpt_offload_needed (9.73 M elements a rank, its state 148 MiB
     of a peak at 97% of its budget) read as built now, AdamW fused: its host step predicted from the loop's 8 ns an
     element scaled by the table's fused/loop ratio, about 20 ms where the loop's figure is 78 ms."""
-    from fsdp_doctor.diagnose.estimate import cpu_step_ms
+    from fsdp_doctor.diagnose.estimate import cpu_step_ratio
     from fsdp_doctor.diagnose.rules.offload import CPU_OPTIMIZER_NS_PER_ELEMENT
 
     run = recorded_as_torch_holds_it("gpu_gpt_offload_needed")
@@ -117,7 +117,7 @@ def test_offloading_a_fused_adamw_predicts_its_fused_host_step():
     f = found["offload.recommended"]
     elements, tensors = 9_728_000, sum(g.params for g in run.ranks[0].config.optimizer_groups)
     loop = elements * CPU_OPTIMIZER_NS_PER_ELEMENT["AdamW"] / 1e6
-    want = loop * cpu_step_ms("fused", elements, tensors) / cpu_step_ms("for-loop", elements, tensors)
+    want = loop * cpu_step_ratio("fused", "for-loop", elements, tensors)
     assert f.evidence["cpu_optimizer_ms_per_step_est"] == pytest.approx(want, rel=0.01), (f.evidence, want, loop)
     assert "AdamW steps on the CPU (fused), about 20 ms" in f.recommendation.text, f.recommendation.text
     ev = f.evidence

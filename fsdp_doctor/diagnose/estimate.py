@@ -557,12 +557,15 @@ def optimizer_shard_elements(ctx: Context, us: Iterable[Unit]) -> int:
     return total
 
 
-def cpu_step_ms(impl: str, elements: int, tensors: int) -> float:
-    """T.CPU_STEP_COST's model of an Adam or AdamW step of ``impl`` ("for-loop", "foreach", "fused") on one CPU
-    thread over ``tensors`` DTensor parameters of ``elements`` elements in all (ms): its ratios scale a measured
-    step."""
-    ns, us = T.CPU_STEP_COST[impl]
-    return elements * ns / 1e6 + tensors * us / 1e3
+def cpu_step_ratio(to: str, frm: str, elements: int, tensors: int) -> float:
+    """How long an Adam or AdamW step in implementation ``to`` ("for-loop", "foreach", "fused") takes on one CPU
+    thread against one in ``frm``, over ``tensors`` DTensor parameters of ``elements`` elements in all, by
+    T.CPU_STEP_COST's model: it scales a step measured in ``frm`` (only the ratio is read: the host's speed cancels)."""
+    def ms(impl):
+        ns, us = T.CPU_STEP_COST[impl]
+        return elements * ns / 1e6 + tensors * us / 1e3
+
+    return ms(to) / ms(frm)
 
 
 #: bytes per element of the floating dtypes a unit's parameters, compute and reduction use

@@ -196,8 +196,8 @@ class OffloadRecommended(Rule):
         impl, fused_ms = optimizer_impl(ctx.config, on_host=True), None
         if optim in T.FUSED_OPTIMIZERS and impl in T.CPU_STEP_COST:
             tensors = sum(g.params for g in ctx.config.optimizer_groups)
-            loop = E.cpu_step_ms("for-loop", elements, tensors)
-            cpu_opt_ms, fused_ms = (cpu_opt_ms * E.cpu_step_ms(i, elements, tensors) / loop for i in (impl, "fused"))
+            cpu_opt_ms, fused_ms = (cpu_opt_ms * E.cpu_step_ratio(i, "for-loop", elements, tensors)
+                                    for i in (impl, "fused"))
         gpu_opt_ms = E.phase_ms(ctx, "optimizer") or 0.0
         after = step + copy_ms + cpu_opt_ms - gpu_opt_ms if step is not None else None
         return [self.finding(

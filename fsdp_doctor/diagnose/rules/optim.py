@@ -498,7 +498,7 @@ class UnfusedHostStep(Rule):
             return self.quiet("no optimizer step was timed")
         elements = E.optimizer_shard_elements(ctx, us)
         tensors = sum(g.params for g in cfg.optimizer_groups)
-        fused_ms = opt_ms * E.cpu_step_ms("fused", elements, tensors) / E.cpu_step_ms(impl, elements, tensors)
+        fused_ms = opt_ms * E.cpu_step_ratio("fused", impl, elements, tensors)
         gain = opt_ms - fused_ms
         if gain < UNFUSED_MIN_GAIN_SHARE * step:
             return self.quiet(E.below_share(f"the fused step's saving ({impl} {opt_ms:.1f} ms -> {fused_ms:.1f} ms)",
