@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from test_optim_fused import _findings
 from test_optim_fused import _run as _blocks
 from test_optim_fused import recorded_as_torch_holds_it
 
@@ -22,11 +23,8 @@ def _run(out, fix: str = "", opt=None):
 
 def _diagnose(run):
     """(report, findings by code, statuses by code)."""
-    import fsdp_doctor
-    from fsdp_doctor.diagnose import diagnose
-
-    report, statuses = fsdp_doctor.build_report(run), []
-    found = {f.code: f for f in diagnose(run, report, statuses=statuses)}
+    statuses = []
+    report, found = _findings(run, statuses)
     return report, found, {s.code: s for s in statuses}
 
 
