@@ -772,6 +772,7 @@ FIX_PLACES = {
     "torchtune_train": "in your torchtune recipe's train(), in its loop over the batches",
     "torchtune_backward": "in your torchtune recipe's train(), before its backward (current_loss.backward(); "
                           "loss.backward() in its DPO recipes)",
+    "torchtune_optimizer": "in your torchtune recipe's setup(), after self._optimizer = self._setup_optimizer(...)",
     "torchtune_config": "in your torchtune config: the YAML tune run --config reads, or KEY=VALUE after it",
 }
 #: what a fix's code is, by where it goes, where it is not Python

@@ -119,7 +119,7 @@ _TRAINER = TINY_LM + textwrap.dedent(
     fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
     where = sys.argv[4] if len(sys.argv) > 4 else "training_step"  # where the fix goes, as its report said
     hooks = {}  # a fix of LightningModule hooks, as printed
-    if fix and "validate" in mode:
+    if fix and ("validate" in mode or where == "lightning_module"):
         exec(fix, hooks)
 
     class LM(L.LightningModule):
@@ -160,6 +160,10 @@ _TRAINER = TINY_LM + textwrap.dedent(
         def on_validation_end(self):
             if "on_validation_end" in hooks:
                 hooks["on_validation_end"](self)
+
+        def on_train_start(self):
+            if "on_train_start" in hooks:
+                hooks["on_train_start"](self)
 
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-3)
@@ -276,6 +280,31 @@ def test_trainer_validation_kept_gathered_by_the_hooks_printed(tmp_path):
     s = next(s for s in after.rules if s.code == "eval.regather")
     assert s.status == "quiet" and "stay gathered" in s.reason, (s.status, s.reason)
     assert fixed_losses == losses
+
+
+@pytest.mark.long
+def test_trainer_optimizer_fix_said_in_on_train_start_and_pasted_there(tmp_path):
+    """The Trainer builds AdamW from configure_optimizers, as torch picks it on the CPU (its for-loop step over the
+    DTensor shards): optim.unfused_step's fix read ``for group in optimizer.param_groups`` "after your optimizer is
+    built", with no ``optimizer`` in a LightningModule. It is said as the LightningModule's on_train_start, on the
+    Trainer's optimizer; pasted there as printed (the hook defined from the printed code), the optimizer steps fused:
+    the rule quiet, the optimizer's own time down, the losses those of the loop's step."""
+    before, losses = _trainer_run(tmp_path, "loop", "plain")
+    (f,) = [f for f in before.findings if f.code == "optim.unfused_step"]
+    rec = f.recommendation
+    assert rec.where == "lightning_module" and rec.inputs == {}, (rec.where, rec.inputs)
+    assert "def on_train_start(self):\n    optimizer = self.trainer.optimizers[0]" in rec.code, rec.code
+    assert max(map(len, rec.code.splitlines())) <= 80 and "on_train_start" in rec.text, rec
+    fix = tmp_path / "fix.py"
+    fix.write_text(rec.code)
+    after, fixed_losses = _trainer_run(tmp_path, "fused", "plain", str(fix), "lightning_module")
+    s = next(s for s in after.rules if s.code == "optim.unfused_step")
+    assert (s.status, s.reason) == ("quiet", "AdamW runs fused already"), (s.status, s.reason)
+    assert after.run.optimizer_impl == "fused", after.run.optimizer_impl
+    opt = {name: r.steps.job.phases_p50_ms["optimizer"] for name, r in (("loop", before), ("fused", after))}
+    predicted = f.evidence["fused_optimizer_ms_est"]
+    assert opt["fused"] < opt["loop"] - (opt["loop"] - predicted) / 2, (opt, predicted)
+    assert fixed_losses == pytest.approx(losses, rel=1e-4), (losses, fixed_losses)
 
 
 @pytest.mark.long

@@ -191,10 +191,11 @@ def _recipe(tmp_path, recipe: str, fix: str = "", watched: bool = True, sharded:
 
 
 def _run(tmp_path, assets, name: str, fix: str = "", config: str = "", settings: dict | None = None,
-         watched: bool = True, recipe: str = "full_finetune_distributed", template: str = _CONFIG, **edits):
+         watched: bool = True, recipe: str = "full_finetune_distributed", template: str = _CONFIG,
+         overrides: tuple[str, ...] = (), **edits):
     """(the report of the recipe's run, None where not ``watched``; its final loss as its progress bar prints it):
     ``fix`` pasted before the recipe's backward (``edits``: _recipe's others), ``config`` lines added to its config
-    (``template``), ``settings`` in place of its own."""
+    (``template``), ``settings`` in place of its own, ``overrides`` (KEY=VALUE) after --config."""
     import fsdp_doctor
 
     d = tmp_path / name
@@ -209,7 +210,7 @@ def _run(tmp_path, assets, name: str, fix: str = "", config: str = "", settings:
            "DOCTOR_OUT": str(d / "doctor")}
     # (the recipe by its name in the run's folder, as tune cp leaves it: given a path, tune run read it as a module's)
     out = _tune("run", "--nproc_per_node", "2", _recipe(d, recipe, fix, watched, **edits).name, "--config", str(cfg),
-                cwd=d, env=env)
+                *overrides, cwd=d, env=env)
     losses = re.findall(r"\|10\|Loss: ([0-9.]+)", out)
     assert losses, out[-3000:]
     return fsdp_doctor.build_report(fsdp_doctor.load_run(d / "doctor")) if watched else None, losses[-1]
@@ -233,6 +234,32 @@ def test_recipe_accumulation_fix_pasted_where_said(tmp_path, assets):
     after, loss_after = _run(tmp_path, assets, "after", rec.code, config)
     assert not {"accum.sync_every_micro_batch", "wrap.params_in_root"} & {g.code for g in after.findings}
     assert loss_after == loss, (loss, loss_after)
+
+
+@pytest.mark.long
+def test_recipe_fused_optimizer_said_in_its_config_and_run_so(tmp_path, assets):
+    """The config's AdamW with fused: False steps the shards in torch's for-loop on the CPU (optim.unfused_step, a
+    note on a CPU run). Its fix read ``for group in optimizer.param_groups`` "after your optimizer is built", where the
+    recipe's optimizer is ``self._optimizer`` and built from the config: it is the config's key now, run as printed
+    (its keys as KEY=VALUE after --config, as the place says): the rule quiet, the optimizer's own time down by at
+    least half the predicted saving, the loss as the loop's to 4 digits."""
+    import yaml
+
+    settings = {"gradient_accumulation_steps": 1}
+    before, loss = _run(tmp_path, assets, "loop", settings=settings)
+    (f,) = [f for f in before.findings if f.code == "optim.unfused_step"]
+    rec = f.recommendation
+    assert rec.where == "torchtune_config" and "recipe.py" in rec.text, (rec.where, rec.text)
+    keys = yaml.safe_load(rec.code)
+    assert keys == {"optimizer": {"fused": True}}, rec.code
+    overrides = tuple(f"{k}.{sub}={v}" for k, d in keys.items() for sub, v in d.items())
+    after, loss_after = _run(tmp_path, assets, "fused", settings=settings, overrides=overrides)
+    s = next(s for s in after.rules if s.code == "optim.unfused_step")
+    assert (s.status, s.reason) == ("quiet", "AdamW runs fused already"), (s.status, s.reason)
+    opt = {name: r.steps.job.phases_p50_ms["optimizer"] for name, r in (("loop", before), ("fused", after))}
+    predicted = f.evidence["fused_optimizer_ms_est"]
+    assert opt["fused"] < opt["loop"] - (opt["loop"] - predicted) / 2, (opt, predicted)
+    assert float(loss_after) == pytest.approx(float(loss), rel=1e-4), (loss, loss_after)
 
 
 @pytest.mark.long

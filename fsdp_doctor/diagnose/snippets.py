@@ -1988,6 +1988,9 @@ def for_lightning(rec, accumulate: int, root_known: bool = True) -> None:
     if rec.code and rec.where in LIGHTNING_MODEL_PLACES and root_known:
         _lightning_configure_model(rec)
         return
+    if rec.code and rec.where == "optimizer" and root_known and _names(rec.code, "optimizer"):
+        _lightning_train_start(rec)
+        return
     if not rec.code or rec.where != "loop" or LAST_MICRO_BATCH not in rec.inputs:
         return
     lines = _on_self(rec.code) if root_known else _on_fsdp_modules(rec.code)
@@ -2033,6 +2036,11 @@ def _on_self(code: str) -> list[str]:
     return _renamed(code, {ROOT: "self"})
 
 
+def _names(code: str, name: str) -> bool:
+    """Whether ``code`` uses ``name`` (a name of its own, outside its comments)."""
+    return any(re.search(rf"(?<![\w.'\"]){re.escape(name)}\b", ln.split("#", 1)[0]) for ln in code.splitlines())
+
+
 def _renamed(code: str, names: dict[str, str]) -> list[str]:
     """``code``'s lines with each of ``names``' keys, a name of its own (not an attribute, not in a string), as its
     value; comment lines as they were."""
@@ -2044,7 +2052,7 @@ def _renamed(code: str, names: dict[str, str]) -> list[str]:
 #: where a fix goes -> where it goes in a torchtune recipe (the user's copy of it): its _setup_model shards the model
 #: with training.shard_model (the model is ``model`` there), its train() runs the loop
 TORCHTUNE_PLACES = {"sharded": "torchtune_setup", "unsharded": "torchtune_plan", "loop": "torchtune_train",
-                    "backward": "torchtune_backward"}
+                    "backward": "torchtune_backward", "optimizer": "torchtune_optimizer"}
 #: the names of the model and its optimizer in a torchtune recipe's train()
 TORCHTUNE_LOOP_NAMES = {ROOT: "self._model", "optimizer": "self._optimizer"}
 
@@ -2057,7 +2065,8 @@ def for_torchtune(rec, recipe: str) -> None:
     as the recipe decides it: it steps the optimizer on every gradient_accumulation_steps-th batch (``idx + 1``). A
     new-user trial of full_finetune_distributed with gradient_accumulation_steps: 2 read
     ``model.set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop", whose model is ``self._model``
-    and which has no such flag. A fix of its config (torchtune_config) and any other is left as it was."""
+    and which has no such flag. A fix on the built optimizer goes into its setup(), after the optimizer is built,
+    with the train()'s names. A fix of its config (torchtune_config) and any other is left as it was."""
     if not rec.code or rec.where not in TORCHTUNE_PLACES:
         return
     said = f"torchtune's recipe ({recipe}) "
@@ -2078,8 +2087,19 @@ def for_torchtune(rec, recipe: str) -> None:
     else:
         rec.where = TORCHTUNE_PLACES[rec.where]
     rec.code = "\n".join(lines)
-    rec.text += (f" {said}runs the loop in its train(): the lines go there, in your copy of the recipe (tune cp), "
+    rec.text += (f" {said}builds its optimizer in its setup(): the lines go there, after it, in your copy of the "
+                 "recipe (tune cp), where the model is self._model and the optimizer self._optimizer."
+                 if rec.where == "torchtune_optimizer" else
+                 f" {said}runs the loop in its train(): the lines go there, in your copy of the recipe (tune cp), "
                  "where the model is self._model.")
+
+
+def torchtune_fused_optimizer() -> str:
+    """The torchtune config's optimizer switched to its fused implementation: the recipe builds the optimizer from
+    its config (``config.instantiate(cfg.optimizer, params)``), so the key is the optimizer's argument."""
+    return "\n".join(["# the recipe builds its optimizer from these keys: add fused to yours",
+                      "# (or optimizer.fused=True after --config on tune run's command line)",
+                      "optimizer:", "  fused: True"])
 
 
 def torchtune_layers(names: list[str], passed_on: bool = True) -> str:
@@ -2109,6 +2129,27 @@ def _lightning_configure_model(rec) -> None:
     rec.where = LIGHTNING_MODEL_PLACES[rec.where]
     rec.text += (" Lightning's Trainer builds the model: the lines go into your LightningModule's configure_model, "
                  "where the model is self.")
+
+
+def _lightning_train_start(rec) -> None:
+    """A fix on the built optimizer (``optimizer``; ``model`` beside it), where Lightning's Trainer builds it from
+    the LightningModule's configure_optimizers: the LightningModule's on_train_start hook, which the Trainer calls
+    with its optimizers built and before the first step, the optimizer there the Trainer's first (the one the
+    README's callback watches) and the model ``self``. Said "after your optimizer is built", the lines had no
+    ``optimizer`` in a LightningModule, whose configure_optimizers returns it."""
+    _, code = _imports_apart(rec.code)
+    lines = _on_self(code.strip("\n"))
+    while lines and lines[0].startswith("#"):  # (its "after building the optimizer": the hook's comment says when)
+        lines.pop(0)
+    body = textwrap.indent("\n".join(["optimizer = self.trainer.optimizers[0]  # what configure_optimizers returned",
+                                      *lines]), " " * 4)
+    rec.code = complete("\n".join(["# in your LightningModule (its Trainer calls this with the optimizer built,",
+                                   "# before the first step)", "def on_train_start(self):", body]),
+                        define_mesh=False)
+    rec.where = "lightning_module"
+    rec.text += (" Lightning's Trainer builds the optimizer from configure_optimizers: the lines go into your "
+                 "LightningModule's on_train_start hook (merged into yours where you have it), where the optimizer "
+                 "is the Trainer's and the model self.")
 
 
 def _lightning_validation(rec) -> None:

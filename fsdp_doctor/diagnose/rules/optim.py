@@ -445,12 +445,16 @@ class ForeachTemporaries(Rule):
 
 
 def _fused_fix(ctx: Context) -> tuple[str, str, str]:
-    """(code, where, the words that say what it does): the user's optimizer switched to fused, or torchtitan's job
-    config where torchtitan built it."""
+    """(code, where, the words that say what it does): the user's optimizer switched to fused, or the config that
+    built it where torchtitan or a torchtune recipe did."""
     titan = E.torchtitan_version(ctx)
     code = S.titan_settings(titan, optimizer_implementation="fused") if titan is not None else None
     if code:
         return code, "torchtitan", f" {S.titan_says(titan)}, whose optimizer takes its implementation: 'fused'."
+    if (recipe := E.torchtune_recipe(ctx)) is not None:
+        return (S.torchtune_fused_optimizer(), "torchtune_config",
+                f" torchtune's recipe ({recipe}) builds the optimizer from its config's optimizer keys, its arguments: "
+                "fused: True there (as torchtune's own configs set it where they offload).")
     trainer = E.trainer_driven(ctx)
     whose = "the Trainer's optimizer" if trainer else "the optimizer you built"
     return (S.fused_optimizer(), "optimizer",
