@@ -165,8 +165,9 @@ _TRAINER = TINY_LM + textwrap.dedent(
             if "on_train_start" in hooks:
                 hooks["on_train_start"](self)
 
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+        def configure_optimizers(self):  # ("untrained": the blocks' parameters only, the rest left trainable)
+            return torch.optim.AdamW(self.model.blocks.parameters() if "untrained" in mode else self.parameters(),
+                                     lr=1e-3)
 
     class Doctor(L.Callback):  # the README's, with a capacity
         def on_train_start(self, trainer, pl_module):
@@ -305,6 +306,24 @@ def test_trainer_optimizer_fix_said_in_on_train_start_and_pasted_there(tmp_path)
     predicted = f.evidence["fused_optimizer_ms_est"]
     assert opt["fused"] < opt["loop"] - (opt["loop"] - predicted) / 2, (opt, predicted)
     assert fixed_losses == pytest.approx(losses, rel=1e-4), (losses, fixed_losses)
+
+
+@pytest.mark.long
+def test_trainer_untrained_params_frozen_by_the_hook_printed(tmp_path):
+    """configure_optimizers over the blocks only: the embedding and the head train for nothing
+    (optim.untrained_params); its fix, on the optimizer and the model, is said as on_train_start too, and pasted
+    there as printed the parameters outside the optimizer are frozen: the rule quiet, the losses those of the run
+    without it (nothing updated them)."""
+    before, losses = _trainer_run(tmp_path, "untrained", "untrained")
+    (f,) = [f for f in before.findings if f.code == "optim.untrained_params"]
+    rec = f.recommendation
+    assert rec.where == "lightning_module" and "for param in self.parameters():" in rec.code, rec.code
+    fix = tmp_path / "fix.py"
+    fix.write_text(rec.code)
+    after, fixed_losses = _trainer_run(tmp_path, "frozen", "untrained", str(fix), "lightning_module")
+    s = next(s for s in after.rules if s.code == "optim.untrained_params")
+    assert (s.status, s.reason) == ("quiet", "the optimizer holds every trainable parameter"), (s.status, s.reason)
+    assert fixed_losses == pytest.approx(losses, rel=1e-5), (losses, fixed_losses)
 
 
 @pytest.mark.long

@@ -617,3 +617,21 @@ def test_a_recorded_window_twice_the_steady_steps_says_so():
     assert s.startswith("communication-bound"), s
     assert "; the profiled steps ran 2.8x the steady steps (371.0 ms against 134.0 ms on rank 0)" in s, s
     assert "; the records' split of the steady steps: compute-bound (" in s, s
+
+
+def test_an_offloaded_host_bound_step_says_the_host_is_the_optimizer():
+    """The recorded H100 runs with CPUOffloadPolicy (2 NCCL ranks, AdamW foreach on the host's shards) read
+    "host-bound (58% of the step)", whose levers are Python and operator dispatch, where most of that time is the
+    optimizer stepping the offloaded shards on the CPU (86.4 ms of the 170.5 ms step): the verdict says it. A GPU run
+    bound by its launches (no offload) says nothing of the kind."""
+    import fsdp_doctor
+    from conftest import REPO
+
+    said = "(the host's time is mostly the optimizer's step on the CPU, over the shards CPU offload keeps there: "
+    for name, ms in (("gpu_gpt_offload", "86.4 ms of the 170.5 ms step)"),
+                     ("gpu_gpt_offload_unpinned", "65.3 ms of the 174.6 ms step)")):
+        job = fsdp_doctor.build_report(fsdp_doctor.load_run(REPO / "traces" / "gpu" / "scenarios" / name)).verdict.job
+        assert job.bound == "host" and job.summary.endswith(said + ms), (name, job.summary)
+    launch = REPO / "traces" / "gpu" / "scenarios" / "gpu_gpt_tiny_launch_bound"
+    job = fsdp_doctor.build_report(fsdp_doctor.load_run(launch)).verdict.job
+    assert job.bound == "host" and "optimizer" not in job.summary, job.summary
