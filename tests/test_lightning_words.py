@@ -92,9 +92,10 @@ def test_pasted_fix_syncs_where_the_trainer_steps_the_optimizer():
         exec(rec.code, {"self": me, "batch_idx": batch_idx})
     assert calls == [False, False, True, False, False, True, True], calls
     # a fix neither keyed to the last micro-batch nor on the model nor naming the optimizer is left as it was
-    other = Recommendation(text="t", code="gc.freeze()  # optimizer built", where="optimizer")
-    S.for_lightning(other, 3)
-    assert (other.code, other.where) == ("gc.freeze()  # optimizer built", "optimizer")
+    for code in ("gc.freeze()  # optimizer built", "optimizer = torch.optim.AdamW(model.parameters())"):
+        other = Recommendation(text="t", code=code, where="optimizer")  # (a rebinding: the hook's name only)
+        S.for_lightning(other, 3)
+        assert (other.code, other.where) == (code, "optimizer")
     # one on the sharded model goes into configure_model, on self (tests/test_lightning.py pastes two there), where
     # the records say the root; where only Lightning's profiler's trace says who drove the run, it is left as it was
     on_model = Recommendation(text="t", code="model.set_reshard_after_forward(False)", where="sharded")

@@ -1988,7 +1988,9 @@ def for_lightning(rec, accumulate: int, root_known: bool = True) -> None:
     if rec.code and rec.where in LIGHTNING_MODEL_PLACES and root_known:
         _lightning_configure_model(rec)
         return
-    if rec.code and rec.where == "optimizer" and root_known and _names(rec.code, "optimizer"):
+    # (one that rebinds the optimizer or the model would rebind the hook's names only: left as it was)
+    if rec.code and rec.where == "optimizer" and root_known and _names(rec.code, "optimizer") and \
+            not _REBINDS.search(rec.code):
         _lightning_train_start(rec)
         return
     if not rec.code or rec.where != "loop" or LAST_MICRO_BATCH not in rec.inputs:
