@@ -65,6 +65,7 @@ def test_optimizer_fix_said_in_on_train_start_and_run_on_the_trainers_optimizer(
     rec = f.recommendation
     assert (rec.where, rec.inputs) == ("lightning_module", {}), (rec.where, rec.inputs)
     assert "optimizer = self.trainer.optimizers[0]" in rec.code and "on_train_start" in rec.text, rec
+    assert "pass fused=True where you build it, in configure_optimizers." in rec.text, rec.text
     assert max(map(len, rec.code.splitlines())) <= 80, rec.code
     params = [nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(2))]
     opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 0.1}])

@@ -461,7 +461,8 @@ def _fused_fix(ctx: Context) -> tuple[str, str, str]:
             f" The snippet switches every group of {whose} to it, before its first step (a step count restored "
             "from a checkpoint is moved to the parameters' device, as the fused step wants it); or "
             + ("TrainingArguments(optim='adamw_torch_fused'), the Trainer's default from torch 2.8." if trainer
-               else "pass fused=True where you build it."))
+               else "pass fused=True where you build it"
+               + (", in configure_optimizers." if E.lightning_driven(ctx) else ".")))
 
 
 # The fused step is worth a note from this share of the step saved, and on a GPU run (offloaded shards) a warning
