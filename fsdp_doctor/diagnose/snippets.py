@@ -2067,9 +2067,11 @@ def for_torchtune(rec, recipe: str) -> None:
     as the recipe decides it: it steps the optimizer on every gradient_accumulation_steps-th batch (``idx + 1``). A
     new-user trial of full_finetune_distributed with gradient_accumulation_steps: 2 read
     ``model.set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop", whose model is ``self._model``
-    and which has no such flag. A fix on the built optimizer goes into its setup(), after the optimizer is built,
-    with the train()'s names. A fix of its config (torchtune_config) and any other is left as it was."""
-    if not rec.code or rec.where not in TORCHTUNE_PLACES:
+    and which has no such flag. A fix on the built optimizer (code naming it) goes into its setup(), after the
+    optimizer is built, with the train()'s names. A fix of its config (torchtune_config) and any other is left as it
+    was."""
+    if not rec.code or rec.where not in TORCHTUNE_PLACES or (rec.where == "optimizer"
+                                                              and not _names(rec.code, "optimizer")):
         return
     said = f"torchtune's recipe ({recipe}) "
     if rec.where in ("sharded", "unsharded"):
