@@ -136,7 +136,8 @@ def test_other_fixes_are_made_for_the_recipe_or_left_alone():
     assert built.code == ("stepped = {id(p) for g in self._optimizer.param_groups for p in g['params']}\n"
                           "for param in self._model.parameters():"), built.code
     assert built.where == "torchtune_optimizer" and "self._setup_optimizer" in FIX_PLACES[built.where], built
-    for code, where in (("import os\nos.environ['X'] = '1'", "startup"), ("gc.freeze()  # optimizer built", "optimizer")):
+    for code, where in (("import os\nos.environ['X'] = '1'", "startup"),
+                        ("gc.freeze()  # optimizer built", "optimizer")):
         other = Recommendation(text="t", code=code, where=where)
         S.for_torchtune(other, "r.py")
         assert (other.code, other.where, other.text) == (code, where, "t")
