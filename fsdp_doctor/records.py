@@ -226,6 +226,12 @@ def runs_compiled(u) -> bool:
     return bool(getattr(u, "compiled_in_place", False) or getattr(u, "compiled_call_timed", False))
 
 
+def offloads_params(cfg) -> bool:
+    """Whether some unit with parameters of a run (its RunConfig) keeps them in host memory (CPUOffloadPolicy): its
+    optimizer steps those shards on the CPU."""
+    return any(u.offload and u.param_count for u in getattr(cfg, "units", None) or [])
+
+
 class OptimizerGroup(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One of the optimizer's parameter groups: how many tensors, and its numeric hyper-parameters."""
 

@@ -9,7 +9,7 @@ from typing import Optional
 
 import msgspec
 
-from ..records import config_notes, optimizer_of_another_model
+from ..records import config_notes, offloads_params, optimizer_of_another_model
 from ..report_sections import OverlapSection, RunFacts, SteppedAside, UnitRow, UnitTiming
 from ..store import Run
 from ..units import fsdp_label, same_group
@@ -28,7 +28,7 @@ def optimizer_impl(cfg, on_host: bool = False) -> Optional[str]:
     groups = [g.flags for g in getattr(cfg, "optimizer_groups", None) or []]
     if not groups or any("fused" not in f and "foreach" not in f for f in groups):
         return None
-    offloaded = on_host or any(u.offload for u in getattr(cfg, "units", None) or [] if u.param_count)
+    offloaded = on_host or offloads_params(cfg)
     default = "foreach" if str(getattr(cfg, "device", "") or "").startswith("cuda") and not offloaded else "for-loop"
     impls = {"fused" if f.get("fused") else "foreach" if f.get("foreach") else
              "for-loop" if f.get("foreach") is False else default for f in groups}

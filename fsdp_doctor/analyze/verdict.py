@@ -25,7 +25,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
-from ..records import runs_compiled
+from ..records import offloads_params, runs_compiled
 from ..report_sections import OverlapSection, Straggler, Verdict, VerdictEntry
 from ..store import Run
 from ..trace.analysis import BREAKDOWN_PARTS, COMM_PARTS
@@ -324,10 +324,7 @@ def _host_optimizer_clause(run: Optional[Run], ranks: list[str], host_share: flo
     time or more, the verdict says so ("" otherwise): an offloaded H100 run read "host-bound (58% of the step)", the
     "Python, operator dispatch" of its levers, where 86.4 ms of its 170.5 ms step was AdamW on the CPU (the findings
     below said it; the verdict, read first, did not)."""
-    if run is None or not run.has_records:
-        return ""
-    cfg = run.config
-    if cfg is None or not any(u.offload and u.param_count for u in cfg.units or []):
+    if run is None or not run.has_records or not offloads_params(run.config):
         return ""
     steps = [s for r in ranks if int(r) in run.ranks for s in usable_steps(run.ranks[int(r)].steps)]
     if not steps:
