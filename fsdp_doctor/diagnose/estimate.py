@@ -557,6 +557,11 @@ def optimizer_shard_elements(ctx: Context, us: Iterable[Unit]) -> int:
     return total
 
 
+def optimizer_tensors(ctx: Context) -> int:
+    """The parameter tensors the optimizer's groups hold (RunConfig.optimizer_groups)."""
+    return sum(g.params for g in getattr(ctx.config, "optimizer_groups", None) or [])
+
+
 def cpu_step_ratio(to: str, frm: str, elements: int, tensors: int) -> float:
     """How long an Adam or AdamW step in implementation ``to`` ("for-loop", "foreach", "fused") takes on one CPU
     thread against one in ``frm``, over ``tensors`` DTensor parameters of ``elements`` elements in all, by

@@ -2038,15 +2038,21 @@ def _on_self(code: str) -> list[str]:
     return _renamed(code, {ROOT: "self"})
 
 
+def _own_names(names) -> re.Pattern:
+    """Any of ``names`` as a name of its own in code: not an attribute, not in a string."""
+    return re.compile(rf"(?<![\w.'\"])({'|'.join(map(re.escape, names))})\b")
+
+
 def _names(code: str, name: str) -> bool:
     """Whether ``code`` uses ``name`` (a name of its own, outside its comments)."""
-    return any(re.search(rf"(?<![\w.'\"]){re.escape(name)}\b", ln.split("#", 1)[0]) for ln in code.splitlines())
+    pattern = _own_names([name])
+    return any(pattern.search(ln.split("#", 1)[0]) for ln in code.splitlines())
 
 
 def _renamed(code: str, names: dict[str, str]) -> list[str]:
     """``code``'s lines with each of ``names``' keys, a name of its own (not an attribute, not in a string), as its
     value; comment lines as they were."""
-    pattern = re.compile(rf"(?<![\w.'\"])({'|'.join(map(re.escape, names))})\b")
+    pattern = _own_names(names)
     return [ln if ln.lstrip().startswith("#") else pattern.sub(lambda m: names[m.group(1)], ln)
             for ln in code.splitlines()]
 

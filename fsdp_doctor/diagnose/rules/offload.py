@@ -195,7 +195,7 @@ class OffloadRecommended(Rule):
         # figure where it loops and could fuse (optim.unfused_step's lever once offloaded)
         impl, fused_ms = optimizer_impl(ctx.config, on_host=True), None
         if optim in T.FUSED_OPTIMIZERS and impl in T.CPU_STEP_COST:
-            tensors = sum(g.params for g in ctx.config.optimizer_groups)
+            tensors = E.optimizer_tensors(ctx)
             cpu_opt_ms, fused_ms = (cpu_opt_ms * E.cpu_step_ratio(i, "for-loop", elements, tensors)
                                     for i in (impl, "fused"))
         gpu_opt_ms = E.phase_ms(ctx, "optimizer") or 0.0

@@ -502,7 +502,7 @@ class UnfusedHostStep(Rule):
         if not opt_ms or not step:
             return self.quiet("no optimizer step was timed")
         elements = E.optimizer_shard_elements(ctx, us)
-        tensors = sum(g.params for g in cfg.optimizer_groups)
+        tensors = E.optimizer_tensors(ctx)
         fused_ms = opt_ms * E.cpu_step_ratio("fused", impl, elements, tensors)
         gain = opt_ms - fused_ms
         if gain < UNFUSED_MIN_GAIN_SHARE * step:
