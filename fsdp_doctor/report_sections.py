@@ -773,6 +773,7 @@ FIX_PLACES = {
     "torchtune_backward": "in your torchtune recipe's train(), before its backward (current_loss.backward(); "
                           "loss.backward() in its DPO recipes)",
     "torchtune_optimizer": "in your torchtune recipe's setup(), after self._optimizer = self._setup_optimizer(...)",
+    "torchtune_recipe": "in your torchtune recipe (your copy of it, tune cp), where the code's comments say",
     "torchtune_config": "in your torchtune config: the YAML tune run --config reads, or KEY=VALUE after it",
 }
 #: what a fix's code is, by where it goes, where it is not Python

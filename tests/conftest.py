@@ -49,6 +49,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.long)
 
 
+def assert_gc_fixed(f, before, after) -> None:
+    """jitter.gc's finding ``f`` of the report ``before`` gone from ``after``, its run with the fix pasted: the rule
+    quiet, the GC's share of the finding's rank under the rule's threshold, its mean step down by at least half the
+    predicted gain."""
+    from fsdp_doctor.diagnose.rules.jitter import GC_SHARE_MIN
+
+    s = next(s for s in after.rules if s.code == "jitter.gc")
+    assert s.status == "quiet", (s.status, s.reason)
+    st = {n: r.steps.per_rank[str(f.ranks[0])] for n, r in (("before", before), ("after", after))}
+    assert st["after"].gc_ms_total < GC_SHARE_MIN * st["after"].wall_ms_total, st["after"]
+    p = f.predicted
+    gained = (p.step_ms_before if p.step_mean else st["before"].mean_ms) - st["after"].mean_ms
+    assert gained >= 0.5 * (p.step_ms_before - p.step_ms_after), (gained, p, st)
+
+
 def child_pythonpath(*first: str | Path) -> str:
     """PYTHONPATH for a child process of this interpreter: ``first`` (this tree), then the caller's own
     PYTHONPATH, kept: on the GPU machine the dependencies are there (``--target /tmp/site``, no .venv), and a

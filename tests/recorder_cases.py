@@ -15,6 +15,7 @@ Cases:
             HF gradient checkpointing: model FLOPs as without it, hardware FLOPs higher.
   trainer   a Hugging Face Trainer with fsdp_doctor.DoctorCallback (run_trainer).
   trainer_fixes  fixes whose lever is the Trainer's own setting, diagnosed and pasted (run_trainer_fixes).
+  trainer_gc  a Trainer whose callback keeps many objects alive: jitter.gc's callback pasted (run_trainer_gc).
   accelerate_accum  gradient accumulation inside accelerator.accumulate(model), its plugin's defaults and
             sync_each_batch=True, the latter's fix pasted (run_accelerate_accum).
   optimizers  several optimizers on the reference GPT: torchtune's optimizer_in_bwd (a per-parameter AdamW stepped
@@ -591,6 +592,57 @@ def trainer_saves(out: Path, rank: int) -> dict:
     before = saving("saves")
     fix = before["finding"] and before["finding"]["code"]
     return {"saves": before, "saves_fixed": saving("saves_fixed", fix) if fix else None}
+
+
+def held_objects(n: int):
+    """A Trainer callback that keeps ``n`` small objects for the whole run from its start (a dataset's index, a
+    tokenizer's cache) and ``n // 4`` more each step for 3 steps (its records): no reference cycle, but the full
+    collections their survivors set off traverse them all (the scenario matrix's gc_heap knob)."""
+    from transformers import TrainerCallback
+
+    from fsdp_doctor.workloads.train import hold_objects
+
+    class Held(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            hold_objects(n)
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            hold_objects(n)
+
+    return Held()
+
+
+def run_trainer_gc(out: Path) -> dict:
+    """A Trainer whose callback keeps 500k objects for the run and 125k a step for 3 steps (held_objects): the
+    collector's full collections traverse them inside the steps (jitter.gc). Its fix, pasted as printed with the
+    Trainer built, before train(): each run's findings, the GC's share of the step, its collections, and whether
+    the collector is on after train() (the fix turns it off for the run's steps)."""
+    from fsdp_doctor.workloads.train import release_objects
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    res = {}
+    for name in ("gc", "gc_fixed"):
+        tr = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False),
+                           held_objects(500_000)], out / f"hf_{name}", max_steps=8, eval_strategy="no")
+        fix = res.get("gc", {}).get("findings", {}).get("jitter.gc")
+        if name == "gc_fixed":
+            if fix is None:
+                break
+            exec(compile(fix["code"], "<jitter.gc fix>", "exec"), {"trainer": tr})
+        try:
+            tr.train()
+            res[name] = {"collector_on_after": gc.isenabled()}
+        finally:
+            gc.enable()
+            release_objects()
+        dist.barrier()
+        rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name))
+        st = rep.steps.per_rank[str(rank)]
+        res[name].update(_outcome(out / name, rank), gc_pct=round(100 * st.gc_ms_total / st.wall_ms_total, 2),
+                         gc_collections=st.gc_count_total, steps=st.count, mean_ms=st.mean_ms,
+                         losses=[h["loss"] for h in tr.state.log_history if "loss" in h])
+    return res
 
 
 def _outcome(path: Path, rank: int) -> dict:
@@ -1233,7 +1285,7 @@ def run_optimizers(out: Path) -> dict:
 
 
 CASES = {"identity": run_identity, "aside": run_aside, "loops": run_loops, "trainer": run_trainer,
-         "trainer_fixes": run_trainer_fixes, "trainer_compiled": run_trainer_compiled,
+         "trainer_fixes": run_trainer_fixes, "trainer_gc": run_trainer_gc, "trainer_compiled": run_trainer_compiled,
          "tp_fixes": run_tp_fixes, "hsdp_fixes": run_hsdp_fixes, "hf_native_fixes": run_hf_native_fixes,
          "accelerate_fixes": run_accelerate_fixes, "accelerate_accum": run_accelerate_accum,
          "optimizers": run_optimizers}

@@ -2362,7 +2362,7 @@ def test_gc_advice_follows_what_the_collector_frees():
     """jitter.gc reads what the collections freed and the full collections' time (StepRecord.gc_collected,
     gc_full_ms). Few cycles: the collector off inside steps, a full collection every N steps between them, N such
     that the cycles waiting for it stay under a million objects, the median step's pauses gained less the deferred
-    collection's share. Many cycles (the loop's own, 400k objects a step): no switch removes that work, and turning the
+    collection's share (the mean step's, the pauses mostly in some steps). Many cycles (the loop's own, 400k objects a step): no switch removes that work, and turning the
     collector off piles them up (on 2 gloo ranks the step ran 60% slower): the lever in words, and freezing set-up's
     objects where the full collections take a share of the step (their time the predicted gain)."""
     from fsdp_doctor.diagnose import snippets as S
@@ -2377,6 +2377,7 @@ def test_gc_advice_follows_what_the_collector_frees():
         st.gc_ms_total, st.gc_count_total = gc_ms * n, 50 * n
         st.gc_full_ms_total, st.gc_collected_total = full_ms * n, collected * n
         st.phases_p50_ms = {**st.phases_p50_ms, "gc": gc_p50}
+        st.mean_ms = st.p50_ms + gc_ms - gc_p50  # (the pauses the median step lacks, in the mean)
         ctx.run.ranks = {0: SimpleNamespace(steps=[SimpleNamespace(step=i + 1, profiled=False, gc_ms=gc_ms, memory=None,
                                                                    no_grad_forwards=0, checkpoints=0)
                                                    for i in range(n)])}
@@ -2387,7 +2388,14 @@ def test_gc_advice_follows_what_the_collector_frees():
     (f,) = run_rule("jitter.gc", ctx)
     assert f.recommendation.code.endswith(S.gc_between_steps(50)) and f.recommendation.where == "optimizer"
     assert f.evidence["collect_every_steps"] == 50 and f.evidence["gc_collected_per_step"] == 20_000
-    assert f.predicted.step_ms_after == pytest.approx(st.p50_ms - 2.0 + 20_000 * J.GC_NS_PER_OBJECT * 1e-6)
+    # (its pauses mostly in some steps, 2 ms in the median step of 12 a step: the mean step's gain, said so)
+    assert f.predicted.step_mean and st.mean_ms and f.predicted.step_ms_before == pytest.approx(st.mean_ms, abs=1e-3)
+    assert f.predicted.step_ms_after == pytest.approx(st.mean_ms - 12.0 + 20_000 * J.GC_NS_PER_OBJECT * 1e-6)
+    # ... in every step alike: the median step's
+    ctx, st = ctx_of(12.0, 10.0, 20_000, 10.0)
+    (f,) = run_rule("jitter.gc", ctx)
+    assert not f.predicted.step_mean
+    assert f.predicted.step_ms_after == pytest.approx(st.p50_ms - 10.0 + 20_000 * J.GC_NS_PER_OBJECT * 1e-6)
     # the loop's own cycles, full collections a tenth of the step: freezing only, its gain theirs
     ctx, st = ctx_of(50.0, 0.1 * st.p50_ms, 400_000, 50.0)
     (f,) = run_rule("jitter.gc", ctx)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_LM, REPO, child_pythonpath
+from conftest import assert_gc_fixed, TINY_LM, REPO, child_pythonpath
 
 pytest.importorskip("lightning")
 
@@ -114,7 +114,8 @@ _TRAINER = TINY_LM + textwrap.dedent(
     import fsdp_doctor
 
     # mode: "accumulate" (2 micro-batches a step), "validate", "profiled" (Lightning's own PyTorchProfiler writing
-    # its traces to out, a loss logged with sync_dist=True, no doctor), "profiled_accumulate" or "profiled_validate"
+    # its traces to out, a loss logged with sync_dist=True, no doctor), "profiled_accumulate" or "profiled_validate",
+    # "gc" (200k objects kept for the run from the module's set-up, 50k a step kept 3 steps)
     out, mode = sys.argv[1], sys.argv[2]
     fix = open(sys.argv[3]).read() if len(sys.argv) > 3 else ""
     where = sys.argv[4] if len(sys.argv) > 4 else "training_step"  # where the fix goes, as its report said
@@ -127,6 +128,9 @@ _TRAINER = TINY_LM + textwrap.dedent(
             super().__init__()
             self.model = Net()
             self.losses = []
+            if mode == "gc":
+                from fsdp_doctor.workloads.train import hold_objects
+                hold_objects(200_000)
 
         def configure_model(self):
             if fix and where == "configure_model_plan":  # in place of the fully_shard calls, as printed
@@ -142,6 +146,9 @@ _TRAINER = TINY_LM + textwrap.dedent(
         def training_step(self, batch, batch_idx):
             if fix and "accumulate" in mode and where == "training_step":  # at its top, as printed
                 exec(fix, {"self": self, "batch_idx": batch_idx})
+            if mode == "gc":
+                from fsdp_doctor.workloads.train import hold_objects
+                hold_objects(200_000)
             x = batch[0]
             loss = nn.functional.cross_entropy(self.model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
             self.losses.append(loss.item())
@@ -164,6 +171,14 @@ _TRAINER = TINY_LM + textwrap.dedent(
         def on_train_start(self):
             if "on_train_start" in hooks:
                 hooks["on_train_start"](self)
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if "on_train_batch_end" in hooks:
+                hooks["on_train_batch_end"](self, outputs, batch, batch_idx)
+
+        def on_train_end(self):
+            if "on_train_end" in hooks:
+                hooks["on_train_end"](self)
 
         def configure_optimizers(self):  # ("untrained": the blocks' parameters only, the rest left trainable)
             return torch.optim.AdamW(self.model.blocks.parameters() if "untrained" in mode else self.parameters(),
@@ -194,6 +209,8 @@ _TRAINER = TINY_LM + textwrap.dedent(
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     trainer.fit(lm, loader, torch.utils.data.DataLoader(torch.utils.data.Subset(data, range(64)), batch_size=4))
     if trainer.global_rank == 0:
+        import gc
+        print("COLLECTOR " + json.dumps(gc.isenabled()))
         print("LOSSES " + json.dumps(lm.losses))
     """
 )
@@ -410,3 +427,27 @@ def test_lightning_profiler_validation_traces_are_left_out_of_the_training_figur
     assert not [n for n in report.run.notes if "micro-batch" in n or "without a backward (rank" in n], report.run.notes
     for pr in report.overlap.per_rank.values():
         assert pr.steps and not pr.steps_without_optimizer and not pr.nograd_forwards, pr
+
+
+@pytest.mark.long
+def test_trainer_gc_fix_said_in_the_modules_hooks_and_pasted_there(tmp_path):
+    """A LightningModule that keeps many objects alive (200k from its set-up, 50k a step for 3 steps): the collector's
+    full collections traverse them inside the steps (jitter.gc). Its fix read "after your optimizer is built", a
+    collect_between_steps for a loop the Trainer owns; it is said as the LightningModule's on_train_start (set-up
+    frozen, the collector off), on_train_batch_end (a collection every N optimizer steps) and on_train_end (the
+    collector on again), and pasted there as printed (the hooks defined from the printed code): the rule quiet, the
+    GC's share under its threshold, the mean step down by at least half the predicted gain, the collector on after
+    fit(), the losses those of the run without it."""
+    before, losses = _trainer_run(tmp_path, "gc", "gc")
+    (f,) = [f for f in before.findings if f.code == "jitter.gc"]
+    rec = f.recommendation
+    assert rec.where == "lightning_module" and "collect_between_steps" not in rec.code, (rec.where, rec.code)
+    assert "def on_train_batch_end(self, outputs, batch, batch_idx):" in rec.code, rec.code
+    assert "self.trainer.accumulate_grad_batches) == 0:" in rec.code and "on_train_batch_end" in rec.text, rec
+    fix = tmp_path / "fix.py"
+    fix.write_text(rec.code)
+    after, out = _run(tmp_path, _TRAINER, "gc_fixed", "gc", str(fix), "lightning_module")
+    fixed_losses = json.loads(next(ln for ln in out.splitlines() if ln.startswith("LOSSES "))[len("LOSSES "):])
+    assert "COLLECTOR true" in out.splitlines(), out[-2000:]
+    assert_gc_fixed(f, before, after)
+    assert fixed_losses == losses

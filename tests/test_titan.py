@@ -367,3 +367,29 @@ def test_titan_settings_command_lines_parse_as_torchtitan_reads_them(setting, va
     (line,) = [ln for ln in code.splitlines() if ln.startswith("--")]
     config = job_config(["--optimizer.implementation", "foreach", "--loss.num-chunks", "8", *line.split()])
     assert getattr(getattr(config, field[0]), field[1]) == value, (line, config)
+
+
+def test_titan_gc_fix_is_its_trainers_own_period(monkeypatch):
+    """torchtitan's Trainer turns the collector off and collects between steps itself, every training.gc_freq steps
+    (every step under training.gc_debug): jitter.gc's explicit-collections fix there, a collect_between_steps its user
+    has no loop to call from, is that period on the command line now, gc_debug off; parsed by torchtitan 0.3.0's own
+    ConfigManager after the user's arguments, the job config holds it. (Its collections on this CPU, generation 1
+    every step at gc_freq 1, took 0.1% of the step: the rule stayed quiet, so no run plants it here.)"""
+    from fsdp_doctor.report_sections import Recommendation
+    from titan_cases import job_config
+
+    if not (TITAN_SITE / "torchtitan").is_dir():
+        pytest.skip(f"torchtitan is not installed in {TITAN_SITE}")
+    monkeypatch.syspath_prepend(str(TITAN_SITE))
+    rec = Recommendation(text="Call it less often.", code=S.complete(S.gc_collect_every(20)), where="optimizer")
+    S.for_titan_trainer(rec, "jitter.gc", "0.3.0")
+    assert rec.where == "torchtitan" and rec.text.endswith(S.TITAN_GC), rec
+    (line,) = [ln for ln in rec.code.splitlines() if ln.startswith("--")]
+    assert line == "--training.gc-freq 20 --training.no-gc-debug", rec.code
+    config = job_config(["--training.gc-freq", "1", "--training.gc-debug", *line.split()])
+    assert (config.training.gc_freq, config.training.gc_debug) == (20, False), config.training
+    # the collector on (set-up frozen and the collector off, as a loop of the user's own would): the Trainer's own
+    # collections every gc_freq steps stay, its hook freezes set-up and defines no function nothing calls
+    rec = Recommendation(text="Freeze.", code=S.complete(S.gc_between_steps(50)), where="optimizer")
+    S.for_titan_trainer(rec, "jitter.gc", "0.3.0")
+    assert rec.where == "titan_registry" and "gc.freeze()" in rec.code and "collect_between_steps" not in rec.code

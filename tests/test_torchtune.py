@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, child_pythonpath
+from conftest import assert_gc_fixed, REPO, child_pythonpath
 
 pytest.importorskip("torchtune")
 pytest.importorskip("sentencepiece")
@@ -131,11 +131,13 @@ def _tune(*args, cwd, env=None, timeout=400) -> str:
 
 
 def _recipe(tmp_path, recipe: str, fix: str = "", watched: bool = True, sharded: str = "",
-            pass_layers: bool = False, after_binding: tuple[str, str] | None = None) -> Path:
+            pass_layers: bool = False, after_binding: tuple[str, str] | None = None, setup_end: str = "",
+            after_step: str = "", imports: str = "") -> Path:
     """The recipe copied as its users copy it, attached as the README says (unless not ``watched``), ``fix`` pasted
     before its backward, ``sharded`` after the training.shard_model(...) call of its _setup_model, (``pass_layers``)
-    custom_sharded_layers passed to the _setup_model call that builds the model it trains, and ``after_binding``
-    (name, code) right after the statement that binds that name."""
+    custom_sharded_layers passed to the _setup_model call that builds the model it trains, ``after_binding``
+    (name, code) right after the statement that binds that name, ``setup_end`` at the end of its setup() and
+    ``after_step`` after train()'s ``self.global_step += 1``, ``imports`` at the top of the file."""
     path = tmp_path / "recipe.py"
     _tune("cp", recipe, str(path), cwd=tmp_path)
     s = path.read_text()
@@ -182,6 +184,14 @@ def _recipe(tmp_path, recipe: str, fix: str = "", watched: bool = True, sharded:
         first = lines[node.lineno - 1]
         s = ("".join(lines[:node.end_lineno]) + textwrap.indent(code + "\n", first[:len(first) - len(first.lstrip())])
              + "".join(lines[node.end_lineno:]))
+    if imports:
+        once("\nimport torch\n", f"\nimport torch\n{imports}\n")
+    if setup_end:
+        i = s.index("\n    def ", s.index("    def setup(self, cfg")) + 1
+        s = s[:i] + textwrap.indent(setup_end + "\n", " " * 8) + "\n" + s[i:]
+    if after_step:
+        m = re.search(r"^( *)self\.global_step \+= 1\n", s, re.M)
+        s = s[:m.end()] + textwrap.indent(after_step + "\n", m.group(1)) + s[m.end():]
     if pass_layers:
         once("        self._model = self._setup_model(\n",
              "        self._model = self._setup_model(\n"
@@ -321,4 +331,29 @@ def test_dpo_recipe_reference_logits_kept_and_freed_where_said(tmp_path, assets)
     assert after.memory.peak_bytes <= kept.predicted.peak_bytes_before, after.memory
     rank = str(before.memory.peak_rank)
     assert after.memory.per_rank[rank].peak_bytes == kept.predicted.peak_bytes_after, after.memory.per_rank[rank]
+    assert loss_after == loss, (loss, loss_after)
+
+
+@pytest.mark.long
+def test_recipe_gc_fix_said_for_its_setup_and_train_and_pasted_there(tmp_path, assets):
+    """Code before the recipe's backward that keeps many objects alive (200k for the run, 50k a step for 3 steps):
+    the collector's full collections traverse them inside the steps (jitter.gc). Its fix read "after your optimizer
+    is built", a collect_between_steps for a loop the recipe owns; it is said for the recipe's setup() (set-up
+    frozen, the collector off) and its train() (a collection every N optimizer steps, on self.global_step); pasted
+    where its comments say, the rule is quiet, the GC's share under its threshold, the mean step down by at least
+    half the predicted gain, the loss as without it."""
+    settings = {"gradient_accumulation_steps": 1}
+    held = "from fsdp_doctor.workloads.train import hold_objects\nhold_objects(200_000)"
+    before, loss = _run(tmp_path, assets, "gc", held, settings=settings)
+    (f,) = [f for f in before.findings if f.code == "jitter.gc"]
+    rec = f.recommendation
+    assert rec.where == "torchtune_recipe" and "collect_between_steps" not in rec.code, (rec.where, rec.code)
+    # its imports at the top of the file, as their note says; each part where its comment says
+    head, setup, train = re.split(r"^(?=# in setup\(\)|# in train\(\))", rec.code, flags=re.M)
+    assert head.startswith("# imports: at the top of your file") and "import gc" in head, rec.code
+    assert setup.startswith("# in setup(), at its end") and "gc.freeze()" in setup and "gc.disable()" in setup
+    assert train.startswith("# in train(), after self.global_step += 1") and "if self.global_step % " in train
+    after, loss_after = _run(tmp_path, assets, "gc_fixed", held, settings=settings, setup_end=setup.strip(),
+                             after_step=train.strip(), imports=head.strip())
+    assert_gc_fixed(f, before, after)
     assert loss_after == loss, (loss, loss_after)

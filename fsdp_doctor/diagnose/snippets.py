@@ -1685,6 +1685,9 @@ def titan_says(version: str) -> str:
 TITAN_TRAINER = {
     (0, 3): {
         "hook": "post_optimizer_build_fn",
+        # jitter.gc's collections between steps: the Trainer's own (GarbageCollection: the collector off, a
+        # collection every gc_freq steps, every step under gc_debug)
+        "gc": "--training.gc-freq {every} --training.no-gc-debug",
         "levers": {
             "memory.grads_kept": (
                 "torchtitan's train step zeroes the gradients in place (set_to_none=False) while its CUDA graphs are "
@@ -1717,6 +1720,11 @@ TITAN_TRAINER_ELSEWHERE = (" torchtitan's Trainer runs the loop and its parallel
                            "of your own (ModelSpec.parallelize_fn) or a Trainer subclass (its train_step).")
 
 
+#: what jitter.gc's fix adds under torchtitan's Trainer
+TITAN_GC = (" torchtitan's Trainer turns the collector off at its start and collects between steps itself, every "
+            "training.gc_freq steps (50 by default; every step under training.gc_debug).")
+
+
 def titan_command_line(version: str, flags: str) -> str:
     """A fix that is flags of torchtitan's command line (``Recommendation.where`` "torchtitan")."""
     said = f"torchtitan {version}" if version else "torchtitan"
@@ -1742,6 +1750,12 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
         return
     if not rec.code or rec.where in ("torchtitan", "evaluation"):
         return
+    if (gc_fix := gc_parts(rec.code)) is not None and table is not None:  # jitter.gc's: the Trainer collects itself
+        rec.text += TITAN_GC
+        if not gc_fix[0]:  # its period alone: the Trainer's
+            rec.code, rec.where = titan_command_line(version, table["gc"].format(every=gc_fix[1])), "torchtitan"
+            return
+        rec.code = complete("\n".join(gc_fix[0]), define_mesh=False)  # set-up frozen, in the hook below
     if table is None or rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code):
         rec.text += TITAN_TRAINER_ELSEWHERE
         return
@@ -1894,6 +1908,75 @@ def gc_between_steps(every: int) -> str:
     return GC_FROZEN + "\ngc.disable()  # no collection inside a step\n\n" + gc_collect_every(every)
 
 
+#: gc_collect_every's function, as its first line reads: the period in steps
+_GC_EVERY = re.compile(r"^def collect_between_steps\(step, every=(\d+)\):$", re.M)
+
+
+def gc_parts(code: str) -> Optional[tuple[list[str], int]]:
+    """jitter.gc's fix (gc_between_steps, or gc_collect_every alone) taken apart for a loop a Trainer or a recipe
+    runs: (its set-up lines, set-up frozen and the collector off, [] for gc_collect_every's alone; its period in
+    steps); None for any other code. Said as it is, a Hugging Face Trainer's user pasted the collector off and a
+    collect_between_steps nothing called: the cycles piled up for the whole run."""
+    _, body = _imports_apart(code)
+    m = _GC_EVERY.search(body)
+    if m is None:
+        return None
+    # (its comments say where it goes in the user's own loop: the hooks' own say it there)
+    return [ln for ln in body[:m.start()].splitlines() if ln.strip() and not ln.startswith("#")], int(m.group(1))
+
+
+def _gc_hooks(setup: list[str], head: list[str], start: str, end: Optional[str], step: str, collect_when: str,
+              indent: str = "    ") -> list[str]:
+    """jitter.gc's fix as methods a loop's owner calls: ``start`` (a def line) runs ``setup``'s lines once set-up is
+    built, ``step`` (a def line) collects ``collect_when`` (a condition) after the optimizer steps, ``end`` (a def
+    line, or None) turns the collector back on after training; ``head``: comment lines over them."""
+    out = [*head]
+    if setup:
+        out += [start, *(f"{indent}{ln}" for ln in ["# set-up objects leave the collector's view", *setup]), ""]
+    out += [step, f"{indent}if {collect_when}:", f"{indent}    gc.collect()"]
+    if setup and end:
+        out += ["", end, f"{indent}gc.enable()  # the collector on again after training"]
+    return out
+
+
+def trainer_gc(setup: list[str], every: int) -> str:
+    """jitter.gc's fix where a Hugging Face Trainer runs the loop: a callback that freezes set-up and turns the
+    collector off when training begins, collects at every ``every``-th optimizer step's end (on_step_end: the same
+    step on every rank) and turns the collector on again when training ends."""
+    methods = _gc_hooks(setup, [], "def on_train_begin(self, args, state, control, **kwargs):",
+                        "def on_train_end(self, args, state, control, **kwargs):",
+                        "def on_step_end(self, args, state, control, **kwargs):  # after optimizer.step()",
+                        f"state.global_step % {every} == 0")
+    return complete("\n".join(["from transformers import TrainerCallback", "", "",
+                               f"class DoctorFix(TrainerCallback):  # a full collection every {every} steps, between steps",
+                               *(f"    {ln}" if ln else "" for ln in methods), "", "",
+                               "trainer.add_callback(DoctorFix())"]), define_mesh=False)
+
+
+def lightning_gc(setup: list[str], every: int) -> str:
+    """jitter.gc's fix where Lightning's Trainer runs the loop: the LightningModule's on_train_start freezes set-up
+    and turns the collector off, its on_train_batch_end (after the optimizer stepped, the same batch on every rank)
+    collects after every ``every``-th optimizer step (accumulate_grad_batches batches each), its on_train_end turns
+    the collector on again."""
+    return complete("\n".join(_gc_hooks(
+        setup, ["# in your LightningModule (merged into your hooks of these names where you have them)"],
+        "def on_train_start(self):", "def on_train_end(self):",
+        "def on_train_batch_end(self, outputs, batch, batch_idx):",
+        f"(batch_idx + 1) % ({every} * self.trainer.accumulate_grad_batches) == 0")), define_mesh=False)
+
+
+def torchtune_gc(setup: list[str], every: int) -> str:
+    """jitter.gc's fix in a torchtune recipe: set-up frozen and the collector off at the end of its setup(), a
+    collection in its train() after every ``every``-th optimizer step (``self.global_step`` counts them, the same
+    on every rank)."""
+    lines = []
+    if setup:
+        lines += ["# in setup(), at its end (the model, optimizer and data loader built):",
+                  "# set-up objects leave the collector's view", *setup, ""]
+    return complete("\n".join([*lines, "# in train(), after self.global_step += 1 (the optimizer stepped)",
+                               f"if self.global_step % {every} == 0:", "    gc.collect()"]), define_mesh=False)
+
+
 def trainer_micro_batch_switch(calls: str) -> str:
     """A Hugging Face Trainer's loop keyed to the last micro-batch of each optimizer step: ``calls`` (lines on
     ``model``, reading ``is_last_micro_batch``) run before each training micro-batch's forward, from a forward pre-hook
@@ -1941,11 +2024,18 @@ def for_trainer(rec, finding: str = "", gpu: bool = True) -> None:
     accelerate's wrapper: the torch optimizer is its ``.optimizer``). A fix that rebinds the model or the optimizer,
     replaces the sharding or edits the loop stays as it is, and its text says why; one for the user's evaluation
     (which the Trainer's own runs under no_grad: this is code of the user's, a callback's say) stays as it is. A
-    finding (``finding``: its code) whose lever the Trainer takes as arguments gets them set on trainer.args."""
+    finding (``finding``: its code) whose lever the Trainer takes as arguments gets them set on trainer.args;
+    jitter.gc's, set-up frozen and collections between steps, is a callback's on_train_begin and on_step_end
+    (trainer_gc)."""
     if not rec.code and finding in TRAINER_ARGS_FIXES:  # a lever of the user's code the Trainer has as arguments
         text, rec.code = TRAINER_ARGS_FIXES[finding](gpu)
         rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').rstrip()} {text}"
         rec.where, rec.inputs = "trainer", dict(TRAINER_INPUTS)
+        return
+    if (gc_fix := gc_parts(rec.code)) is not None:  # jitter.gc's: the Trainer runs the loop, a callback's hooks
+        rec.code, rec.where = trainer_gc(*gc_fix), "trainer"
+        rec.text += (" The Trainer runs the loop: the callback below does it, a collection after every "
+                     f"{gc_fix[1]} optimizer steps (on_step_end, the same step on every rank).")
         return
     # the user's own evaluation code, wherever it runs, and a fix the rule wrote for the Trainer: as they are
     if not rec.code or rec.where in ("evaluation", "trainer"):
@@ -1980,10 +2070,16 @@ def for_lightning(rec, accumulate: int, root_known: bool = True) -> None:
     accumulate_grad_batches=2 under ModelParallelStrategy read "model.model.set_requires_gradient_sync(
     is_last_micro_batch)" for the user's loop, which the Trainer owns. Where the run is only the trace of Lightning's
     profiler (``root_known`` False: which module of the LightningModule is the FSDP root the trace does not say), each
-    call on the model is made on every FSDP module the LightningModule holds (``recurse=False``); a fix of other
-    lines is left as it was."""
+    call on the model is made on every FSDP module the LightningModule holds (``recurse=False``); jitter.gc's goes
+    into the LightningModule's training hooks (lightning_gc); a fix of other lines is left as it was."""
     if rec.code and rec.where == "evaluation" and EVALUATE_CALL in rec.code and root_known:
         _lightning_validation(rec)
+        return
+    if (gc_fix := gc_parts(rec.code)) is not None:  # jitter.gc's: the LightningModule's hooks
+        rec.code, rec.where = lightning_gc(*gc_fix), "lightning_module"
+        rec.text += (" Lightning's Trainer runs the loop: the lines go into your LightningModule's hooks, a "
+                     f"collection after every {gc_fix[1]} optimizer steps in on_train_batch_end (the same batch on "
+                     "every rank).")
         return
     if rec.code and rec.where in LIGHTNING_MODEL_PLACES and root_known:
         _lightning_configure_model(rec)
@@ -2074,12 +2170,17 @@ def for_torchtune(rec, recipe: str) -> None:
     new-user trial of full_finetune_distributed with gradient_accumulation_steps: 2 read
     ``model.set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop", whose model is ``self._model``
     and which has no such flag. A fix on the built optimizer (code naming it) goes into its setup(), after the
-    optimizer is built, with the train()'s names. A fix of its config (torchtune_config) and any other is left as it
-    was."""
+    optimizer is built, with the train()'s names; jitter.gc's set-up at the end of its setup() and its collections
+    in train() (torchtune_gc). A fix of its config (torchtune_config) and any other is left as it was."""
+    said = f"torchtune's recipe ({recipe}) "
+    if (gc_fix := gc_parts(rec.code)) is not None:  # jitter.gc's: set-up in its setup(), the collection in train()
+        rec.code, rec.where = torchtune_gc(*gc_fix), "torchtune_recipe" if gc_fix[0] else "torchtune_train"
+        rec.text += (f" {said}runs the loop in its train(): the lines go into your copy of the recipe (tune cp), "
+                     f"where their comments say, a collection after every {gc_fix[1]} optimizer steps.")
+        return
     if not rec.code or rec.where not in TORCHTUNE_PLACES or (rec.where == "optimizer"
                                                               and not _names(rec.code, "optimizer")):
         return
-    said = f"torchtune's recipe ({recipe}) "
     if rec.where in ("sharded", "unsharded"):
         rec.where = TORCHTUNE_PLACES[rec.where]
         rec.text += (f" {said}shards the model in its _setup_model (training.shard_model): the lines go there, in your "
