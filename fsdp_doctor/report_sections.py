@@ -764,6 +764,8 @@ FIX_PLACES = {
     "accelerate": "with your Accelerator built, before accelerator.prepare(model)",
     "torchtitan": "torchtitan's job config",
     "titan_registry": "in your torchtitan config_registry function, on the Trainer.Config it returns",
+    # a setting the processes read at their start where torchtitan's Trainer runs them (snippets.launch_env)
+    "launch_env": "in the environment that starts torchrun",
     "transformers": "after from_pretrained(..., distributed_config=...) returns the sharded model",
     # where one of torchtune's recipes drove the run (snippets.for_torchtune): the user's copy of it (tune cp), its
     # _setup_model sharding the model with training.shard_model (the model is `model` there), its train() the loop
@@ -777,7 +779,7 @@ FIX_PLACES = {
     "torchtune_config": "in your torchtune config: the YAML tune run --config reads, or KEY=VALUE after it",
 }
 #: what a fix's code is, by where it goes, where it is not Python
-FIX_LANGUAGES = {"torchtitan": "command line", "torchtune_config": "YAML"}
+FIX_LANGUAGES = {"torchtitan": "command line", "torchtune_config": "YAML", "launch_env": "shell"}
 
 
 class Recommendation(_Section):

@@ -3687,6 +3687,40 @@ def test_a_fix_names_no_fully_shard_calls_where_the_user_made_none():
         assert words in f.recommendation.code, f.recommendation.code
 
 
+def test_process_settings_said_where_a_trainer_runs_the_process():
+    """A setting the process reads (memory.fragmentation's allocator setting at the top of the script,
+    compiled.recompile_limit's Dynamo limit before the first forward) read, under a Hugging Face Trainer, "this code is
+    for a loop of your own ... through its TrainingArguments", and under torchtitan's Trainer "no place in your
+    command line": the first stays as said for the Trainer's script and the second goes before trainer.train();
+    under torchtitan the allocator setting is the environment torchrun starts its processes in (run in a shell as
+    printed, the process sees both settings, the user's kept), the limit in its post-optimizer-build hook."""
+    import subprocess
+    import sys
+
+    from fsdp_doctor.diagnose import snippets as S
+    from fsdp_doctor.report_sections import Recommendation
+
+    def fixed(fn, code, where, *args):
+        rec = Recommendation(text="T.", code=S.complete(code), where=where)
+        fn(rec, *args)
+        return rec
+
+    alloc = S.expandable_segments_code({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"})
+    limit = S.recompile_limit_code({"recompile_limit": 16}, "before the model's first forward")
+    rec = fixed(S.for_trainer, alloc, "startup", "memory.fragmentation", True)
+    assert (rec.where, rec.text, rec.code) == ("startup", "T.", S.complete(alloc)), rec
+    rec = fixed(S.for_trainer, limit, "model", "compile.recompile_limit", True)
+    assert (rec.where, rec.text, rec.code) == ("trainer", "T.", S.complete(limit)), rec
+    rec = fixed(S.for_titan_trainer, alloc, "startup", "memory.fragmentation", "0.3.0")
+    assert rec.where == "launch_env" and "run_train.sh" in rec.text, rec
+    out = subprocess.run(["bash", "-c", rec.code + "\n" + f"{sys.executable} -c 'import os; "
+                          "print(os.environ[\"PYTORCH_CUDA_ALLOC_CONF\"])'"], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "max_split_size_mb:128,expandable_segments:True", out
+    rec = fixed(S.for_titan_trainer, limit, "model", "compile.recompile_limit", "0.3.0")
+    assert rec.where == "titan_registry" and "    torch._dynamo.config.recompile_limit = 16" in rec.code, rec.code
+    assert S.TITAN_TRAINER_ELSEWHERE not in rec.text
+
+
 def test_findings_sort_by_severity_then_predicted_gain():
     """A straggler's "204.9 ms -> 100.0 ms (51% faster)" was listed after prefetch.sync_unshard's 2% (by code, within
     a severity: a new-user trial). Most severe first, then the largest relative gain (step or peak), then by code."""

@@ -17,7 +17,9 @@ the unsharded model; a *setting* (``unit_list``, ``set_on_units``) acts on the s
 
 from __future__ import annotations
 
+import ast
 import re
+import shlex
 import textwrap
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -1725,6 +1727,18 @@ TITAN_GC = (" torchtitan's Trainer turns the collector off at its start and coll
             "training.gc_freq steps (50 by default; every step under training.gc_debug).")
 
 
+def launch_env(code: str) -> str:
+    """A fix that sets environment variables in Python (``os.environ[NAME] = VALUE``, as expandable_segments_code
+    writes it) as the shell lines that export them where torchrun is started."""
+    names = {}
+    for node in ast.walk(ast.parse(code)):
+        if isinstance(node, ast.Assign) and isinstance(t := node.targets[0], ast.Subscript) \
+                and ast.unparse(t.value) == "os.environ" and isinstance(node.value, ast.Constant):
+            names[ast.literal_eval(t.slice)] = node.value.value
+    return "\n".join(["# in the environment of the processes torchrun starts: your launch script, before torchrun",
+                      *(f"export {k}={shlex.quote(v)}" for k, v in names.items())])
+
+
 def titan_command_line(version: str, flags: str) -> str:
     """A fix that is flags of torchtitan's command line (``Recommendation.where`` "torchtitan")."""
     said = f"torchtitan {version}" if version else "torchtitan"
@@ -1737,7 +1751,7 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
     becomes a function torchtitan calls once it built them, set in the user's config_registry function (the model's
     own such function, a mixture of experts' load balancing, still runs first); a command line stays as it is; any
     other fix (one that rebinds the model or the optimizer, replaces the sharding or edits the loop) says where such
-    a change goes."""
+    a change goes. A setting the process reads at its start is its launch's environment (launch_env)."""
     table = titan_table(TITAN_TRAINER, version)
     said = f"torchtitan {version}" if version else "torchtitan"
     lever = table["levers"].get(finding) if table is not None else None
@@ -1750,13 +1764,19 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
         return
     if not rec.code or rec.where in ("torchtitan", "evaluation"):
         return
+    if rec.where == "startup":  # the environment torchrun gives the Trainer's processes
+        rec.code, rec.where = launch_env(rec.code), "launch_env"
+        rec.text += (f" {said}'s Trainer runs in the processes torchrun starts: set it in their environment, as "
+                     "torchtitan's run_train.sh does (PYTORCH_ALLOC_CONF=\"expandable_segments:True\").")
+        return
     if (gc_fix := gc_parts(rec.code)) is not None and table is not None:  # jitter.gc's: the Trainer collects itself
         rec.text += TITAN_GC
         if not gc_fix[0]:  # its period alone: the Trainer's
             rec.code, rec.where = titan_command_line(version, table["gc"].format(every=gc_fix[1])), "torchtitan"
             return
         rec.code = complete("\n".join(gc_fix[0]), define_mesh=False)  # set-up frozen, in the hook below
-    if table is None or rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code):
+    # (a setting of the process, ``model``: the hook runs before the first forward)
+    if table is None or rec.where not in ("sharded", "optimizer", "model") or _REBINDS.search(rec.code):
         rec.text += TITAN_TRAINER_ELSEWHERE
         return
     hook = table["hook"]
@@ -2026,11 +2046,18 @@ def for_trainer(rec, finding: str = "", gpu: bool = True) -> None:
     (which the Trainer's own runs under no_grad: this is code of the user's, a callback's say) stays as it is. A
     finding (``finding``: its code) whose lever the Trainer takes as arguments gets them set on trainer.args;
     jitter.gc's, set-up frozen and collections between steps, is a callback's on_train_begin and on_step_end
-    (trainer_gc)."""
+    (trainer_gc). A setting of the process stays as it is: at the top of the script (``startup``), or with the
+    Trainer built, before train() (``model``, where the code does not name the model); both read "this code is for a
+    loop of your own" (memory.fragmentation's allocator setting, compiled.recompile_limit's Dynamo limit)."""
     if not rec.code and finding in TRAINER_ARGS_FIXES:  # a lever of the user's code the Trainer has as arguments
         text, rec.code = TRAINER_ARGS_FIXES[finding](gpu)
         rec.text = f"{rec.text.replace(NO_PIPELINE_CODE, '').rstrip()} {text}"
         rec.where, rec.inputs = "trainer", dict(TRAINER_INPUTS)
+        return
+    if rec.where == "startup":  # a setting the process reads at its start: at the top of the script, as said
+        return
+    if rec.where == "model" and not _names(rec.code, ROOT):  # a setting of the process: before train() starts
+        rec.where = "trainer"
         return
     if (gc_fix := gc_parts(rec.code)) is not None:  # jitter.gc's: the Trainer runs the loop, a callback's hooks
         rec.code, rec.where = trainer_gc(*gc_fix), "trainer"

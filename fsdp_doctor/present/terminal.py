@@ -173,7 +173,8 @@ def finding_details(f: Finding) -> list:
             items.append(Text(f"The fix uses from your code: {fix_inputs(rec)}", style="dim"))
         items.append(Text(fix_heading(rec, inputs=False), style="dim"))
         # (a command line, a config's YAML: not Python)
-        lexer = {"command line": "bash", "YAML": "yaml"}.get(FIX_LANGUAGES.get(rec.where, ""), "python")
+        lexer = {"command line": "bash", "YAML": "yaml", "shell": "bash"}.get(FIX_LANGUAGES.get(rec.where, ""),
+                                                                             "python")
         code = rec.code if lexer != "python" else fit_comments(rec.code)
         items.append(Syntax(code, lexer, theme="ansi_dark", background_color="default", word_wrap=False))
     return items
