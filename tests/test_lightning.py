@@ -444,6 +444,7 @@ def test_trainer_gc_fix_said_in_the_modules_hooks_and_pasted_there(tmp_path):
     assert rec.where == "lightning_module" and "collect_between_steps" not in rec.code, (rec.where, rec.code)
     assert "def on_train_batch_end(self, outputs, batch, batch_idx):" in rec.code, rec.code
     assert "self.trainer.accumulate_grad_batches) == 0:" in rec.code and "on_train_batch_end" in rec.text, rec
+    assert max(map(len, rec.code.splitlines())) <= 80, rec.code
     fix = tmp_path / "fix.py"
     fix.write_text(rec.code)
     after, out = _run(tmp_path, _TRAINER, "gc_fixed", "gc", str(fix), "lightning_module")

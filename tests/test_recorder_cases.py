@@ -619,6 +619,7 @@ def test_hf_trainer_gc_fix_is_a_callback_that_collects_between_steps(tmp_path_fa
         assert f["where"] == "trainer" and before["gc_pct"] >= 100 * GC_SHARE_MIN, (f["where"], before["gc_pct"])
         code = f["code"]
         assert "class DoctorFix(TrainerCallback)" in code and "def on_step_end(" in code, code
+        assert max(map(len, code.splitlines())) <= 80, code
         every = re.search(r"^        if state\.global_step % (\d+) == 0:$", code, re.M)
         assert "collect_between_steps" not in code and every and int(every.group(1)) > 8, code
         assert f"a collection after every {every.group(1)} optimizer steps (on_step_end" in f["text"], f["text"]

@@ -1945,17 +1945,16 @@ def gc_parts(code: str) -> Optional[tuple[list[str], int]]:
     return [ln for ln in body[:m.start()].splitlines() if ln.strip() and not ln.startswith("#")], int(m.group(1))
 
 
-def _gc_hooks(setup: list[str], head: list[str], start: str, end: Optional[str], step: str, collect_when: str,
-              indent: str = "    ") -> list[str]:
+def _gc_hooks(setup: list[str], head: list[str], start: str, end: str, step: str, collect_when: str) -> list[str]:
     """jitter.gc's fix as methods a loop's owner calls: ``start`` (a def line) runs ``setup``'s lines once set-up is
     built, ``step`` (a def line) collects ``collect_when`` (a condition) after the optimizer steps, ``end`` (a def
-    line, or None) turns the collector back on after training; ``head``: comment lines over them."""
+    line) turns the collector back on after training; ``head``: comment lines over them."""
     out = [*head]
     if setup:
-        out += [start, *(f"{indent}{ln}" for ln in ["# set-up objects leave the collector's view", *setup]), ""]
-    out += [step, f"{indent}if {collect_when}:", f"{indent}    gc.collect()"]
-    if setup and end:
-        out += ["", end, f"{indent}gc.enable()  # the collector on again after training"]
+        out += [start, *(f"    {ln}" for ln in ["# set-up objects leave the collector's view", *setup]), ""]
+    out += [step, f"    if {collect_when}:", "        gc.collect()"]
+    if setup:
+        out += ["", end, "    gc.enable()  # the collector on again after training"]
     return out
 
 
@@ -1965,10 +1964,10 @@ def trainer_gc(setup: list[str], every: int) -> str:
     step on every rank) and turns the collector on again when training ends."""
     methods = _gc_hooks(setup, [], "def on_train_begin(self, args, state, control, **kwargs):",
                         "def on_train_end(self, args, state, control, **kwargs):",
-                        "def on_step_end(self, args, state, control, **kwargs):  # after optimizer.step()",
+                        "def on_step_end(self, args, state, control, **kwargs):  # the step done",
                         f"state.global_step % {every} == 0")
     return complete("\n".join(["from transformers import TrainerCallback", "", "",
-                               f"class DoctorFix(TrainerCallback):  # a full collection every {every} steps, between steps",
+                               "class DoctorFix(TrainerCallback):  # collections between steps only",
                                *(f"    {ln}" if ln else "" for ln in methods), "", "",
                                "trainer.add_callback(DoctorFix())"]), define_mesh=False)
 
@@ -1979,7 +1978,7 @@ def lightning_gc(setup: list[str], every: int) -> str:
     collects after every ``every``-th optimizer step (accumulate_grad_batches batches each), its on_train_end turns
     the collector on again."""
     return complete("\n".join(_gc_hooks(
-        setup, ["# in your LightningModule (merged into your hooks of these names where you have them)"],
+        setup, ["# in your LightningModule (merged into your hooks of these names, if any)"],
         "def on_train_start(self):", "def on_train_end(self):",
         "def on_train_batch_end(self, outputs, batch, batch_idx):",
         f"(batch_idx + 1) % ({every} * self.trainer.accumulate_grad_batches) == 0")), define_mesh=False)

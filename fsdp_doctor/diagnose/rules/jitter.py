@@ -102,14 +102,6 @@ class GcPauses(Rule):
         if made is None or made * GC_DEFER_MIN_STEPS <= GC_PILE_MAX:
             every = GC_DEFER_MAX_STEPS if not made else min(GC_DEFER_MAX_STEPS, int(GC_PILE_MAX // made))
             cost = (made or 0.0) * GC_NS_PER_OBJECT * 1e-6  # the deferred collection, a step's share
-            # the median step's pauses leave it (a full collection every few steps shows in the mean and the tail);
-            # where they are mostly in some steps, the mean step's: a Trainer's full collections every second step
-            # (22% of its time, 5 ms in the median step) were told a 5.6 ms gain of 429, where the fix pasted took
-            # its mean step from 515 to 402 ms (400 predicted so) and its median from 431 to 404
-            typical = (st.phases_p50_ms or {}).get("gc", per_step)  # (UNSET is falsy)
-            mean = st.mean_ms if typical < per_step / 2 else None
-            pred = (E.predicted(mean, max(0.0, mean - per_step + cost), step_mean=True) if mean else
-                    E.predicted(p50, max(0.0, p50 - typical + cost)))
             return [self.finding(
                 "warning", title, {**evidence, "collect_every_steps": every},
                 "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
@@ -118,7 +110,7 @@ class GcPauses(Rule):
                 + (f" ({made:,.0f} objects of reference cycles a step wait for it: "
                    f"{made * every:,.0f} at most)." if made and made >= 1000 else "."),
                 S.gc_between_steps(every), where="optimizer",
-                predicted=pred,
+                predicted=_gc_gain(st, per_step, cost),
                 ranks=[rank],
             )]
         # the loop makes reference cycles every step: the collector must free them, off or on
@@ -134,7 +126,7 @@ class GcPauses(Rule):
             + (f" The full collections, {full:.1f} ms a step, traverse every object set-up made as well: freezing "
                "those takes them out." if freeze else ""),
             S.GC_FROZEN if freeze else "", where="optimizer" if freeze else "",
-            predicted=E.predicted(p50, max(0.0, p50 - full)) if freeze else None,
+            predicted=_gc_gain(st, full) if freeze else None,
             ranks=[rank],
         )]
 
@@ -174,6 +166,20 @@ class GcPauses(Rule):
             f"together is the cycles' own, which only the code that makes them cuts ({lever}).",
             S.gc_collect_every(every), where="optimizer", ranks=[rank],
         )]
+
+
+def _gc_gain(st: StepStats, gone: float, cost: float = 0.0):
+    """The prediction of a fix that takes ``gone`` ms of GC pauses out of a step (a mean over the steps) and adds
+    ``cost`` ms: on the median step, which loses its own pauses at most; where the pauses are mostly in some steps
+    (the median step holds under half their mean: a full collection every few steps), on the mean step, said so. A
+    Trainer's full collections every second step (22% of its time, 5 ms in the median step) were told a 5.6 ms gain
+    of 429, where the fix pasted took its mean step from 515 to 402 ms (400 predicted on it) and its median from 431
+    to 404."""
+    per_step = st.gc_ms_total / st.count
+    typical = (st.phases_p50_ms or {}).get("gc", per_step)  # (UNSET is falsy)
+    if typical < per_step / 2 and st.mean_ms:
+        return E.predicted(st.mean_ms, max(0.0, st.mean_ms - gone + cost), step_mean=True)
+    return E.predicted(st.p50_ms, max(0.0, st.p50_ms - min(gone, typical) + cost))
 
 
 def _largest_pause_ms(ctx: Context, rank: int) -> float:
