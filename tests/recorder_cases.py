@@ -623,12 +623,12 @@ def run_trainer_gc(out: Path) -> dict:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     res = {}
     for name in ("gc", "gc_fixed"):
+        fix = res["gc"]["findings"].get("jitter.gc") if name == "gc_fixed" else None
+        if name == "gc_fixed" and fix is None:
+            break
         tr = make_trainer([trainer_hooks(), fsdp_doctor.DoctorCallback(out_dir=str(out / name), profile=False),
                            held_objects(500_000)], out / f"hf_{name}", max_steps=8, eval_strategy="no")
-        fix = res.get("gc", {}).get("findings", {}).get("jitter.gc")
-        if name == "gc_fixed":
-            if fix is None:
-                break
+        if fix is not None:
             exec(compile(fix["code"], "<jitter.gc fix>", "exec"), {"trainer": tr})
         try:
             tr.train()
@@ -637,17 +637,17 @@ def run_trainer_gc(out: Path) -> dict:
             gc.enable()
             release_objects()
         dist.barrier()
-        rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out / name))
-        st = rep.steps.per_rank[str(rank)]
-        res[name].update(_outcome(out / name, rank), gc_pct=round(100 * st.gc_ms_total / st.wall_ms_total, 2),
-                         gc_collections=st.gc_count_total, steps=st.count, mean_ms=st.mean_ms,
-                         losses=[h["loss"] for h in tr.state.log_history if "loss" in h])
+        res[name].update(_outcome(out / name, rank), losses=[h["loss"] for h in tr.state.log_history if "loss" in h])
+        st = res[name]["step_stats"]
+        res[name].update(gc_pct=round(100 * st["gc_ms_total"] / st["wall_ms_total"], 2),
+                         gc_collections=st["gc_count_total"], steps=st["count"], mean_ms=st["mean_ms"])
     return res
 
 
 def _outcome(path: Path, rank: int) -> dict:
     """A fix case's run read back: its findings (severity, where the fix goes, the fix, its text and prediction),
-    the quiet rules' reasons, the peak, and each unit's checkpointing and reduction dtypes."""
+    the quiet rules' reasons, the peak, each unit's checkpointing and reduction dtypes, and the rank's step
+    statistics."""
     run = fsdp_doctor.load_run(path)
     rep = fsdp_doctor.build_report(run)
     return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
@@ -657,6 +657,7 @@ def _outcome(path: Path, rank: int) -> dict:
                          for f in rep.findings},
             "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
             "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
+            "step_stats": msgspec.to_builtins(rep.steps.per_rank.get(str(rank))),
             "units": [[u.name, u.checkpoint, u.checkpoint_wrappers, u.param_dtype, u.reduce_dtype]
                       for u in run.ranks[rank].config.units],
             "selective": [u.name for u in run.ranks[rank].config.units if u.checkpoint_selective],
