@@ -1033,8 +1033,9 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     if fix.get("where") in ("sharded", "prepared", "parallelized", "model"):
         model, early = _exec(fix, model, early, ns=ns)
     opt = early or make_opt(model)
+    script: dict = {}  # the names the fix defines in the user's script (a function its loop calls)
     if fix.get("where") == "optimizer":
-        model, opt = _exec(fix, model, opt)
+        model, opt = _exec(fix, model, opt, ns=script)
     losses = []
     held: dict = {}  # what the user's loop keeps between steps (row["loop"])
     watch = dict(row.get("watch", {}))
@@ -1076,6 +1077,8 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
                     else:
                         held["grad_norms"] = grad_norms_per_parameter(model)
                 opt.step()
+                if "collect_between_steps" in script:  # jitter.gc's fix: "call after optimizer.step()", as it says
+                    script["collect_between_steps"](step)
                 opt.zero_grad(set_to_none=cfg.zero_grad_to_none)
                 if row.get("loop") == "loss_allreduce":  # the loss averaged over the ranks for a log line, every step
                     logged = torch.tensor([total], device=dev)

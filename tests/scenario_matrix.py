@@ -749,6 +749,7 @@ class Outcome:
     finding: object = None  # the planted finding at its severity, as found
     fix: Optional[dict] = None
     after: object = None  # the rerun's Report
+    after_dir: Optional[Path] = None  # the rerun's records
     after_error: str = ""
     rerun_note: str = ""  # why no rerun: no code, GPU-only, not planted
     retried: str = ""  # ran again (before and after) since the first rerun's peak missed: what it measured then
@@ -896,7 +897,8 @@ def _after(fixes: list[Outcome], tmp: Path, device: str, again: str = "") -> Non
             if "error" in res:
                 o.after_error = res["error"] + "\n" + res.get("traceback", "")
             else:
-                o.after, o.after_result = diagnosis(tmp / (o.row.name + again + "_fixed"))[1], res
+                o.after_dir = tmp / (o.row.name + again + "_fixed")
+                o.after, o.after_result = diagnosis(o.after_dir)[1], res
 
 
 # a unit's options that a fix must keep as the user had them, unless its finding is about that option

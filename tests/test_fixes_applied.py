@@ -479,3 +479,26 @@ def test_too_coarse_quiet_on_a_tied_unit_of_the_models_ends(matrix):
     (st,) = [s for s in o.report.rules if s.code == "wrap.too_coarse"]
     assert st.status == "quiet" and "holds 83% of the parameters but no repeated block" in st.reason, st
     assert "lm_head, model.embed_tokens: tied" in st.reason, st
+
+
+@pytest.mark.rows("gpt_gc_heap")
+def test_gc_fix_collects_where_its_loop_calls_it(matrix):
+    """jitter.gc's fix in the user's own loop: set-up frozen, the collector off, and a collect_between_steps that the
+    code says to call after optimizer.step(). The matrix's loop once ran the fix and never called the function, so
+    its collection line was never executed in a rerun; called as the comment says (the loop's step from 0), each
+    rank's rerun records one collection with the collector off, in step 0 (every 100 steps), and none in any other
+    step."""
+    import fsdp_doctor
+
+    code = _code(matrix, "gpt_gc_heap")
+    assert "# call after optimizer.step(), at the same step on every rank" in code, code
+    assert "def collect_between_steps(step, every=100):" in code, code
+    o = matrix["gpt_gc_heap"]
+    assert not o.after_error and o.after_dir is not None, o.after_error
+    run = fsdp_doctor.load_run(o.after_dir)
+    assert len(run.ranks) == 2
+    for rank, rd in run.ranks.items():
+        by_hand = {s.step: s.gc_disabled_count for s in rd.steps if s.gc_disabled_count}
+        assert by_hand == {0: 1}, (rank, by_hand)
+        # (the collector off: no collection of its own in any step)
+        assert all(s.gc_count == s.gc_disabled_count for s in rd.steps), (rank, [s.gc_count for s in rd.steps])
