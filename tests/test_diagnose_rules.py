@@ -2396,6 +2396,13 @@ def test_gc_advice_follows_what_the_collector_frees():
     (f,) = run_rule("jitter.gc", ctx)
     assert not f.predicted.step_mean
     assert f.predicted.step_ms_after == pytest.approx(st.p50_ms - 10.0 + 20_000 * J.GC_NS_PER_OBJECT * 1e-6)
+    # the deferred collection at the run's own time per object freed: its young collections' 8 ms for 20k objects
+    # (400 ns each, a slower host's) is 8 ms a step; 60 ms of them (3 us each: survivors traversed, not freed) is
+    # held to GC_NS_PER_OBJECT_MAX's
+    for young, cost in ((8.0, 8.0), (60.0, 20_000 * J.GC_NS_PER_OBJECT_MAX * 1e-6)):
+        ctx, st = ctx_of(10.0 + young, 10.0, 20_000, 10.0 + young)
+        (f,) = run_rule("jitter.gc", ctx)
+        assert f.predicted.step_ms_after == pytest.approx(st.p50_ms - 10.0 - young + cost), young
     # the loop's own cycles, full collections a tenth of the step: freezing only, its gain theirs
     ctx, st = ctx_of(50.0, 0.1 * st.p50_ms, 400_000, 50.0)
     (f,) = run_rule("jitter.gc", ctx)
