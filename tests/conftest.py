@@ -36,10 +36,19 @@ def pytest_configure(config):
 #: ``long`` where they are). They took 707 of the suite's 1,394 s on a slow host of this 2-core kind (2026-12-02),
 #: which ran it in 23 min: ``make test`` keeps the rest under the 15 minutes it is given. Marked here, where a new
 #: test that reads one of these fixtures joins the tier by itself (the matrix runs only for the rows its selected
-#: tests read: none under ``make test``)
-LONG_FIXTURES = frozenset({"matrix", "trainer_run", "trainer_fixes_run", "accelerate_fixes_run"})
+#: tests read: none under ``make test``). On 2026-12-06 a host twice as slow again ran ``make test`` in 21-23 min:
+#: the quick tier's runs of 10 s or more there, each a real model trained and read (a file of them below, or one
+#: marked where it is), joined the tier, about 510 s of its 1,277; the quick tier keeps a real multi-rank run of each
+#: way in, the memory reconciliation, training bit-identical, the refusals and a killed run
+LONG_FIXTURES = frozenset({"matrix", "trainer_run", "trainer_fixes_run", "accelerate_fixes_run",
+                           "clients"})  # (test_clients.py: a transformer, compiled blocks, a titan llama, trained once)
 LONG_FILES = frozenset({"test_titan.py", "test_titan_trainer.py", "test_untrained_params.py",
-                        "test_wrap_root_sequential.py", "test_wrap_mixed_policies.py"})
+                        "test_wrap_root_sequential.py", "test_wrap_mixed_policies.py",
+                        # (2026-12-06: each a few real runs of 10-30 s on a slow host)
+                        "test_never_updated.py", "test_wrap_small_leftovers.py", "test_mesh_subsets.py",
+                        "test_wrap_nested_blocks.py", "test_late_freed_buffers.py", "test_wrap_forwardless_container.py",
+                        "test_outside_unit_call.py", "test_compile_steps.py", "test_backward_gather_wait.py",
+                        "test_unshard_in_backward.py", "test_checkpoint_detection.py"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -191,6 +191,7 @@ with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, capacity_
 """
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 def test_wrappers_applied_after_fully_shard_checkpoint_the_units_not_the_roots_children(tmp_path):
     """checkpoint_wrapper applied to each block after fully_shard (around the units): the root read "children"
     checkpointed, ac.wrong_granularity fired with a fix checkpointing the root, and ac.unneeded's fix, printed for

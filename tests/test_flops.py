@@ -698,6 +698,7 @@ os._exit(0)
 '''
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 def test_tensor_parallel_flops_are_the_ranks_own(tmp_path):
     """Under tensor parallelism the counter sees DTensor operators, whose shapes are the global tensors': a new-user
     trial's column- and row-wise linears on a tp 2 mesh counted 1.7x each rank's FLOPs (TFLOP/s and MFU with them).

@@ -272,6 +272,7 @@ def test_adopting_a_campaign_copies_its_recorded_runs_into_traces_gpu(tmp_path, 
     assert sorted(p.name for p in dest.parent.iterdir()) == ["gpu"]
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 def test_a_scenarios_step_cut_off_keeps_the_rows_it_finished(tmp_path, monkeypatch):
     """benchmarks/scenarios.py --chunk N writes its table and rechecks after every N rows: the campaign's GPU step,
     killed at its time limit in its second chunk, keeps the first chunk's rows (a real tuned row on gloo here; the

@@ -100,6 +100,7 @@ def test_eager_attention_fix_for_any_hugging_face_layout_from_the_records(tmp_pa
     assert _eager_finding(tmp_path, "model.layers.{}", plain).recommendation.code == ""
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 def test_eager_attention_fix_for_a_model_without_sdpa_switches_it_to_flex_attention(tmp_path):
     """Gemma2 runs eager by default: its attention soft-caps the scores, and transformers marks it without SDPA, so
     the fix the rule used to print, set_attn_implementation('sdpa'), raised ValueError when pasted. watch() records

@@ -606,6 +606,7 @@ with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False, memory={"
 """
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 @pytest.mark.compat
 def test_blocks_compiled_in_place_have_their_own_activations(tmp_path):
     """Blocks compiled in place (``block.compile()``, before or after fully_shard) run the doctor's hooks inside
@@ -757,6 +758,7 @@ def _trial_run(tmp_path: Path, mode: str, fix: str = ""):
     return load_run(out), {r: json.loads((out / f"kept{r}.json").read_text()) for r in range(NPROC)}
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 def test_gradients_the_optimizer_does_not_free_are_counted_where_their_unit_has_others_freed(tmp_path):
     """The trial's last block with fc2 left out of AdamW: zero_grad() frees the block's other gradients and keeps
     fc2's, views of the block's reduce-scatter output of step 0, which stays whole (49,920 B; fc2's own shard is

@@ -512,6 +512,7 @@ print("RESULT", l0 == l1, all(torch.equal(a, b) for a, b in zip(p0, p1)))
 """
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 @pytest.mark.slow
 def test_bf16_silu_training_bit_identical_with_the_high_water(tmp_path):
     """Every step counted op by op (full_every=1) on an HF Llama (SiLU) under bf16 mixed precision: losses and
@@ -644,6 +645,7 @@ with fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) as doc:
 """
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 def test_units_activations_are_a_training_forwards_beside_an_eval_mode_evaluation(tmp_path):
     """Forwards in eval mode with autograd on (torch.no_grad() forgotten) add their graphs' activations to the units'
     in the full step that ran them: a new-user trial's layers read 1.08 MiB each, four evaluation forwards' worth,

@@ -95,6 +95,7 @@ def _timeline(path, step: int) -> list[dict]:
     return [dict(zip(tl.columns, r)) for r in tl.rows]
 
 
+@pytest.mark.long  # (the long tier: real runs of 10-30 s on a slow host, tests/conftest.py)
 def test_selective_checkpointings_cache_counts_as_activations(tmp_path):
     """Known answer: the policy keeps each block's two matmul outputs, 512 x 1024 and 512 x 256 float32 (2.5 MiB a
     block): after the forward the activations exceed full checkpointing's by exactly 4 x 2.5 MiB, and each block's
