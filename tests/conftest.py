@@ -58,16 +58,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.long)
 
 
-def assert_gc_fixed(f, before, after) -> None:
+def assert_gc_fixed(f, before, after, after_dir=None) -> None:
     """jitter.gc's finding ``f`` of the report ``before`` gone from ``after``, its run with the fix pasted: the rule
-    quiet, the GC's share of the finding's rank under the rule's threshold, its mean step down by at least half the
-    predicted gain."""
+    quiet, the GC's share of the finding's rank under the rule's threshold but for the fix's own collections (with
+    the collector off), its mean step down by at least half the predicted gain. ``after_dir``: the fixed run's
+    records, where its rank collected with the collector off exactly in the steps after every N-th, N the fix's
+    period (a hook collecting after the doctor's step ended is counted in the next; none where the run is shorter)."""
+    from fsdp_doctor import load_run
     from fsdp_doctor.diagnose.rules.jitter import GC_SHARE_MIN
 
     s = next(s for s in after.rules if s.code == "jitter.gc")
     assert s.status == "quiet", (s.status, s.reason)
     st = {n: r.steps.per_rank[str(f.ranks[0])] for n, r in (("before", before), ("after", after))}
-    assert st["after"].gc_ms_total < GC_SHARE_MIN * st["after"].wall_ms_total, st["after"]
+    by_hand = st["after"].gc_disabled_ms_total or 0.0  # (UNSET: none)
+    assert st["after"].gc_ms_total - by_hand < GC_SHARE_MIN * st["after"].wall_ms_total, st["after"]
+    if after_dir is not None:
+        every, steps = f.evidence["collect_every_steps"], load_run(after_dir).ranks[f.ranks[0]].steps
+        assert [s.step for s in steps if s.gc_disabled_count] == list(range(every, len(steps), every)), every
     p = f.predicted
     gained = (p.step_ms_before if p.step_mean else st["before"].mean_ms) - st["after"].mean_ms
     assert gained >= 0.5 * (p.step_ms_before - p.step_ms_after), (gained, p, st)
