@@ -110,8 +110,9 @@ class GcPauses(Rule):
                 "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
                 "whole run after set-up, and collect at a moment of your choosing: every "
                 f"{every} steps on all ranks at once, so that no rank waits for another's pause"
-                + (f" ({made:,.0f} objects of reference cycles a step wait for it: "
-                   f"{made * every:,.0f} at most)." if made and made >= 1000 else "."),
+                + (f" ({made:,.0f} objects of reference cycles a step wait for it: {made * every:,.0f} at most, "
+                   f"a pause of about {fmt_ms(cost * every)} each time at the pace this run's collections freed "
+                   "them)." if made and made >= 1000 else "."),
                 S.gc_between_steps(every), where="optimizer",
                 predicted=_gc_gain(st, per_step, cost),
                 ranks=[rank],
