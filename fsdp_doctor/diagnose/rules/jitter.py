@@ -37,6 +37,11 @@ GC_DEFER_MIN_STEPS = 10
 # objects 443-488 ms), up to GC_NS_PER_OBJECT_MAX, past which their time is the survivors' traversal, not freeing
 GC_NS_PER_OBJECT = 100
 GC_NS_PER_OBJECT_MAX = 1000
+# With the collector off the steps' own work slows by about as much as the deferred collection takes: each step's
+# cycles take fresh memory where the collector had handed the last step's back (70k objects of cycles a step, a
+# collection every 14 steps: the Trainer's forward, backward and optimizer 37 ms a step slower beside a 33 ms share of
+# the collection, Lightning's 16 beside 17-20, torchtune's 14 beside 16-21; 400k a step ran 60% slower, see above)
+GC_PILE_SLOWDOWN = 1.0
 # One collection is not a pattern: the share is judged without the rank's largest single pause, and the
 # outlier route needs at least this many GC outliers. (The doctor's own profiler window used to leave a
 # 67-215 ms collection for a user step 3-6 steps later; it now collects in its own step, which like every
@@ -105,6 +110,8 @@ class GcPauses(Rule):
         if made is None or made * GC_DEFER_MIN_STEPS <= GC_PILE_MAX:
             every = GC_DEFER_MAX_STEPS if not made else min(GC_DEFER_MAX_STEPS, int(GC_PILE_MAX // made))
             cost = _deferred_ms(per_step, full, made)  # the deferred collection, a step's share
+            # (and the steps' own slowdown while the cycles pile up: the prediction's)
+            slowdown = cost * GC_PILE_SLOWDOWN
             return [self.finding(
                 "warning", title, {**evidence, "collect_every_steps": every},
                 "Python's cyclic garbage collector pauses the training loop. Freeze the objects that live for the "
@@ -114,7 +121,7 @@ class GcPauses(Rule):
                    f"a pause of about {fmt_ms(cost * every)} each time at the pace this run's collections freed "
                    "them)." if made and made >= 1000 else "."),
                 S.gc_between_steps(every), where="optimizer",
-                predicted=_gc_gain(st, per_step, cost),
+                predicted=_gc_gain(st, per_step, cost + slowdown),
                 ranks=[rank],
             )]
         # the loop makes reference cycles every step: the collector must free them, off or on
