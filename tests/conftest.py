@@ -46,7 +46,8 @@ LONG_FILES = frozenset({"test_titan.py", "test_titan_trainer.py", "test_untraine
                         "test_wrap_root_sequential.py", "test_wrap_mixed_policies.py",
                         # (2026-12-06: each a few real runs of 10-30 s on a slow host)
                         "test_never_updated.py", "test_wrap_small_leftovers.py", "test_mesh_subsets.py",
-                        "test_wrap_nested_blocks.py", "test_late_freed_buffers.py", "test_wrap_forwardless_container.py",
+                        "test_wrap_nested_blocks.py", "test_late_freed_buffers.py",
+                        "test_wrap_forwardless_container.py",
                         "test_outside_unit_call.py", "test_compile_steps.py", "test_backward_gather_wait.py",
                         "test_unshard_in_backward.py", "test_checkpoint_detection.py"})
 

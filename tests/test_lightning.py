@@ -434,13 +434,13 @@ def test_lightning_profiler_validation_traces_are_left_out_of_the_training_figur
 @pytest.mark.long
 def test_trainer_gc_fix_said_in_the_modules_hooks_and_pasted_there(tmp_path):
     """A LightningModule that keeps many objects alive (200k from its set-up, 50k a step for 3 steps) and drops 35k
-    reference cycles a step: the collector's full collections traverse them inside the steps (jitter.gc). Its fix read "after your optimizer is built", a
-    collect_between_steps for a loop the Trainer owns; it is said as the LightningModule's on_train_start (set-up
-    frozen, the collector off), on_train_batch_end (a collection every N optimizer steps) and on_train_end (the
-    collector on again), and pasted there as printed (the hooks defined from the printed code): the rule quiet, the
-    GC's share under its threshold but for the fix's one collection (after optimizer step N, its period: the run is
-    longer), the mean step down by at least half the predicted gain, the collector on after fit(), the losses those
-    of the run without it."""
+    reference cycles a step: the collector's full collections traverse them inside the steps (jitter.gc). Its fix read
+    "after your optimizer is built", a collect_between_steps for a loop the Trainer owns; it is said as the
+    LightningModule's on_train_start (set-up frozen, the collector off), on_train_batch_end (a collection every N
+    optimizer steps) and on_train_end (the collector on again), and pasted there as printed (the hooks defined from the
+    printed code): the rule quiet, the GC's share under its threshold but for the fix's one collection (after optimizer
+    step N, its period: the run is longer), the mean step down by at least half the predicted gain, the collector on
+    after fit(), the losses those of the run without it."""
     before, losses = _trainer_run(tmp_path, "gc", "gc")
     (f,) = [f for f in before.findings if f.code == "jitter.gc"]
     rec = f.recommendation

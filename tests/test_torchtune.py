@@ -337,13 +337,13 @@ def test_dpo_recipe_reference_logits_kept_and_freed_where_said(tmp_path, assets)
 @pytest.mark.long
 def test_recipe_gc_fix_said_for_its_setup_and_train_and_pasted_there(tmp_path, assets):
     """Code before the recipe's backward that keeps many objects alive (200k for the run, 50k a step for 3 steps) and
-    drops 35k reference cycles a step: the collector's full collections traverse them inside the steps (jitter.gc). Its fix read "after your optimizer
-    is built", a collect_between_steps for a loop the recipe owns; it is said for the recipe's setup() (set-up
-    frozen, the collector off) and its train() (a collection every N optimizer steps, on self.global_step); pasted
-    where its comments say, the rule is quiet, the GC's share under its threshold but for the fix's one collection
-    (after step N, its period: the run is longer), the mean step down by at least half the predicted gain, the loss
-    as without it."""
-    # (and 35k reference cycles dropped a step: the fix's period 14-15 steps, which the run's 18 pass)
+    drops 35k reference cycles a step: the collector's full collections traverse them inside the steps (jitter.gc). Its
+    fix read "after your optimizer is built", a collect_between_steps for a loop the recipe owns; it is said for the
+    recipe's setup() (set-up frozen, the collector off) and its train() (a collection every N optimizer steps, on
+    self.global_step); pasted where its comments say, the rule is quiet, the GC's share under its threshold but for the
+    fix's one collection (after step N, its period: the run is longer), the mean step down by at least half the
+    predicted gain, the loss as without it."""
+    # (the fix's period 14-15 steps: the run's 18 pass it)
     settings = {"gradient_accumulation_steps": 1, "max_steps_per_epoch": 18}
     held = ("from fsdp_doctor.workloads.train import hold_objects, make_garbage\nhold_objects(200_000)\n"
             "make_garbage(35_000)")
