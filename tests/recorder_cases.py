@@ -651,18 +651,14 @@ def run_trainer_gc(out: Path) -> dict:
         st = res[name]["step_stats"]
         res[name].update(gc_pct=round(100 * st["gc_ms_total"] / st["wall_ms_total"], 2),
                          gc_collections=st["gc_count_total"], steps=st["count"], mean_ms=st["mean_ms"],
-                         gc_ms=st["gc_ms_total"], gc_by_hand_ms=st.get("gc_disabled_ms_total", 0.0),
-                         # (by step: a collection at the end of the Trainer's global_step N, after the doctor's
-                         # own callback ended that step, is counted in the next one, numbered N from 0)
-                         by_hand=[[s.step, s.gc_disabled_count] for s in fsdp_doctor.load_run(out / name)
-                                  .ranks[rank].steps if s.gc_disabled_count])
+                         gc_ms=st["gc_ms_total"], gc_by_hand_ms=st.get("gc_disabled_ms_total", 0.0))
     return res
 
 
 def _outcome(path: Path, rank: int) -> dict:
     """A fix case's run read back: its findings (severity, where the fix goes, the fix, its text and prediction),
-    the quiet rules' reasons, the peak, each unit's checkpointing and reduction dtypes, and the rank's step
-    statistics."""
+    the quiet rules' reasons, the peak, each unit's checkpointing and reduction dtypes, the rank's step statistics
+    and the steps it collected in with the collector off."""
     run = fsdp_doctor.load_run(path)
     rep = fsdp_doctor.build_report(run)
     return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
@@ -673,6 +669,10 @@ def _outcome(path: Path, rank: int) -> dict:
             "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
             "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
             "step_stats": msgspec.to_builtins(rep.steps.per_rank.get(str(rank))),
+            # [step, collections] where the rank collected with the collector off (a Trainer callback's collection
+            # at the end of global_step N, after the doctor's own callback ended that step, is counted in the next
+            # one, numbered N from 0)
+            "by_hand": [[s.step, s.gc_disabled_count] for s in run.ranks[rank].steps if s.gc_disabled_count],
             "units": [[u.name, u.checkpoint, u.checkpoint_wrappers, u.param_dtype, u.reduce_dtype]
                       for u in run.ranks[rank].config.units],
             "selective": [u.name for u in run.ranks[rank].config.units if u.checkpoint_selective],
