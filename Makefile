@@ -12,7 +12,7 @@ TORCH_PIN ?= torch==2.13.0
 COMPAT_DIR   ?= $(HOME)/.cache/fsdp_doctor/compat
 COMPAT_TORCH ?= 2.6.0 2.15.0
 
-.PHONY: setup titan-site demo test test-long test-fast test-compat test-gpu gpu-wheels gpu-campaign gpu-rehearsal browser-deps clean plotlyjs-basic
+.PHONY: setup titan-site trl-site demo test test-long test-fast test-compat test-gpu gpu-wheels gpu-campaign gpu-rehearsal browser-deps clean plotlyjs-basic
 
 setup: $(STAMP)
 
@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 	@echo "setup: 2/4 installing fsdp-doctor[test] and its dependencies (dash, plotly, tensorboard, ...) ..."
 	@$(VPY) -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(VPY) -c "import torch, fsdp_doctor, dash, msgspec, rich" || (echo "setup: install failed"; exit 1)
-	@echo "setup: 3/4 torchtitan $(TITAN_VERSION) for the tests, in its own folder $(TITAN_SITE) (on the tests' path only) ..."
-	@$(MAKE) -s titan-site
+	@echo "setup: 3/4 torchtitan $(TITAN_VERSION) and TRL $(TRL_VERSION) for the tests, each in its own folder ($(TITAN_SITE), $(TRL_SITE): on the tests' path only) ..."
+	@$(MAKE) -s titan-site trl-site
 	@echo "setup: 4/4 plotly.js basic bundle for smaller HTML reports (optional) ..."
 	@$(MAKE) -s plotlyjs-basic
 	@touch $(STAMP)
@@ -46,6 +46,16 @@ titan-site:
 	  --target $(TITAN_SITE) $(TITAN_PKGS) 2>&1 | grep -v "^WARNING: Location" || true
 	@PYTHONPATH=$(TITAN_SITE) $(VPY) -c "import torchtitan.models.llama3.parallelize, torchtitan.config" \
 	  || (echo "setup: torchtitan $(TITAN_VERSION) does not import from $(TITAN_SITE)"; exit 1)
+
+# TRL, a real client of the tests (tests/trl_cases.py: its SFTTrainer), alike without its dependencies in a folder of
+# its own: what it imports beyond transformers and accelerate (datasets) is torchtitan's folder's, as pinned there
+TRL_VERSION := 1.16.0
+TRL_SITE    := $(VENV)/trl
+trl-site:
+	@rm -rf $(TRL_SITE) && $(VPY) -m pip install -q --disable-pip-version-check --no-deps \
+	  --target $(TRL_SITE) trl==$(TRL_VERSION) 2>&1 | grep -v "^WARNING: Location" || true
+	@PYTHONPATH=$(TRL_SITE):$(TITAN_SITE) $(VPY) -c "import trl; from trl import SFTTrainer" \
+	  || (echo "setup: TRL $(TRL_VERSION) does not import from $(TRL_SITE)"; exit 1)
 
 # The HTML report draws only bars and scatter traces: plotly.js's basic bundle (npm plotly.js-basic-dist-min,
 # the version plotly.py bundles) keeps it at ~1.3 MB instead of ~4.9 MB. Optional: without npm the full bundle is used.

@@ -414,6 +414,10 @@ class RunConfig(Record, tag="config"):
     # what drove the training loop when not the user's own code: TRAINER_DRIVER (fsdp_doctor.DoctorCallback),
     # TITAN_DRIVER, LIGHTNING_DRIVER, TORCHTUNE_DRIVER
     driver: str | None = None
+    # the class of the arguments a Hugging Face Trainer ran with (TRAINER_DRIVER), its package and name:
+    # "transformers.TrainingArguments", or a library's Trainer's own ("trl.SFTConfig": TRL's SFTTrainer, whose
+    # compute_loss gathers its metrics at every micro-batch); None: no such Trainer, or a run recorded before this field
+    trainer_args: str | None = None
     # Lightning's Trainer's accumulate_grad_batches where it drove the run (LIGHTNING_DRIVER): it steps the optimizer
     # on every such batch and on the epoch's last; None: not such a run, or a run recorded before this field
     lightning_accumulate: int | None = None

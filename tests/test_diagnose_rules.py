@@ -2194,6 +2194,48 @@ def test_optimizer_step_comm_leaves_clippings_norm():
     assert "dist.all_reduce(total)" in f.recommendation.code
 
 
+def test_optimizer_step_comm_counts_only_the_calls_around_the_passes_as_a_norm_log():
+    """Collectives issued between a forward and its backward, outside every unit (the trace's phase "loss": the
+    loss's code reducing metrics once per micro-batch) are no per-parameter gradient-norm log, which runs after the
+    last backward. TRL's SFTTrainer gathers 4 metrics a micro-batch there: with the Trainer's 3 around the passes and
+    clipping's norm, 12 a step read as "one collective per tensor" and its norm code was offered (a new-user trial).
+    Only the calls around the passes count towards a per-tensor log now; those between them are said, in TRL's words
+    where its arguments' class says TRL drove the Trainer."""
+    def rows(loss, around, norm=1):  # per step, over 2 windowed steps: 10 ms exposed around the passes, 9 between
+        return [{"rank": 0, "unit": "(other)", "collective": "all_gather", "phase": "loss", "count": 2 * loss,
+                 "comm_us": 18_000.0, "exposed_us": 18_000.0},
+                {"rank": 0, "unit": "(other)", "collective": "all_gather", "phase": None, "count": 2 * around,
+                 "comm_us": 20_000.0, "exposed_us": 20_000.0},
+                {"rank": 0, "unit": "(other)", "collective": "all_reduce", "phase": "grad_norm", "count": 2 * norm,
+                 "comm_us": 2_000.0, "exposed_us": 2_000.0}]
+
+    def ov(loss, around):
+        return {"per_rank": {"0": {"comm_us": 1.0, "overlap_us": 0.0, "exposed_us": 1.0, "overlap_pct": 0.0,
+                                   "steps": [6, 7], "device": "cpu", "loop_comm_ms_per_step": 9.0,
+                                   "loop_comm_wait_ms_per_step": 1.0}}, "per_unit": rows(loss, around)}
+
+    trl = dict(driver=TRAINER_DRIVER, trainer_args="trl.SFTConfig")
+    (f,) = run_rule("optim.step_comm", build(overlap=ov(8, 3), **trl)[0])
+    rec = f.recommendation
+    assert f.evidence["calls_per_step"] == 12.0 and f.evidence["between_passes_calls_per_step"] == 8.0
+    assert f.evidence["between_passes_exposed_ms"] == pytest.approx(9.0)
+    assert rec.code == "" and "one collective per tensor" not in rec.text, rec.text
+    assert ("8 of the calls per step (9.0 ms exposed) are issued between a forward and its backward, outside every "
+            "unit" in rec.text and "TRL's trainer (trl.SFTConfig) gathers the metrics it logs there" in rec.text), \
+        rec.text
+    # the prediction: the code around the passes (9 - 1 ms), less clipping's norm it keeps (1 ms)
+    assert f.predicted["step_ms_before"] - f.predicted["step_ms_after"] == pytest.approx(7.0)
+    # a Trainer of transformers' own arguments: a compute_loss of the user's reduces there
+    (f,) = run_rule("optim.step_comm", build(overlap=ov(8, 3), driver=TRAINER_DRIVER,
+                                             trainer_args="transformers.TrainingArguments")[0])
+    assert "a compute_loss of your Trainer subclass's" in f.recommendation.text and "TRL" not in f.recommendation.text
+    # the user's loop: 12 around the passes are still the per-tensor log, its code offered, the 8 between them said
+    (f,) = run_rule("optim.step_comm", build(overlap=ov(8, 12))[0])
+    assert "dist.all_reduce(total)" in f.recommendation.code and f.recommendation.where == "after_backward"
+    assert "13 calls per step around the passes look like one collective per tensor" in f.recommendation.text
+    assert "your loss code reduces there" in f.recommendation.text, f.recommendation.text
+
+
 def test_optimizer_state_dominates():
     mem = memory(70 << 30, capacity=80 << 30, optimizer_state=40 << 30, activations=10 << 30)
     (f,) = run_rule("optim.state_dominates", build(memory=mem, backend="nccl", device="cuda:0")[0])

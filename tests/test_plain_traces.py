@@ -594,7 +594,7 @@ def test_an_evaluations_own_collectives_between_its_forwards_are_the_loops(tmp_p
 
 
 @pytest.mark.parametrize("groups, phases", [
-    ([2, 1], ["model", None, "model", None]),  # the world's group and a 1-rank tensor-parallel dimension: no TP
+    ([2, 1], ["model", "loss", "model", "loss"]),  # the world's group and a 1-rank tensor-parallel dim: no TP
     ([4, 2, 2], ["model", "model", "model", "model"]),  # 4 ranks, 2 x 2: a loss-parallel all-reduce is the model's
     (None, ["model", "model", "model", "model"]),  # no group list: not known, as before
 ])
@@ -605,7 +605,8 @@ def test_a_collective_between_forward_and_backward_is_the_loops_without_model_pa
     read it as "exposed model-parallel collectives" (a new-user trial: the run's only groups were the world's and
     Lightning's tensor-parallel mesh dimension of 1 rank). Where every process group the trace lists is the world's
     or one rank's, no model-parallel group exists: a collective outside every unit's forward and backward is the
-    loop's; the one inside unit "1"'s forward stays the model's. With a group smaller than the world (a
+    loop's, its loss code's (phase "loss": between the passes, not around them where a gradient-norm log runs); the
+    one inside unit "1"'s forward stays the model's. With a group smaller than the world (a
     tensor-parallel dimension: its vocabulary-parallel loss all-reduces after the units), or none listed, the
     model's region keeps it."""
     from fsdp_doctor.trace import load_window

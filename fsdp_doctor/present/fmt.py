@@ -324,7 +324,7 @@ COMM_UNITS_HEADER = ("rank", "unit", "op", "calls", "comm", "exposed", "size", "
 _COLL = {"all_gather": "AG", "reduce_scatter": "RS", "all_reduce": "AR", "broadcast": "BC",
          "send_recv": "SR", "all_to_all": "A2A"}
 # (a phase not here was cut to its first 3 letters: a gradient norm's all-reduce read "AR gra", a new-user trial)
-_PHASE = {"forward": "fwd", "backward": "bwd", "grad_norm": "norm", "model": "model"}
+_PHASE = {"forward": "fwd", "backward": "bwd", "grad_norm": "norm", "model": "model", "loss": "loss"}
 
 
 def comm_unit_rows(rows: list[CommUnitRow], top: int, names=()) -> list[tuple[str, ...]]:

@@ -44,6 +44,8 @@ class DoctorCallback(TrainerCallback):
         self._close()
         doctor = Doctor(model, optimizer, self.options)
         doctor.driver = TRAINER_DRIVER
+        kind = type(args)
+        doctor.trainer_args = f"{kind.__module__.partition('.')[0]}.{kind.__qualname__}"
         try:
             doctor.__enter__()
         except WatchError as e:

@@ -182,6 +182,7 @@ class Doctor:
         self._opt_steps_recorded = 0  # the timer's optimizer-step count at the last step record
         self._per_call = False  # the optimizer does not step: every doctor.step() is a step
         self.driver: str | None = None  # what runs the loop when not the user's code (RunConfig.driver)
+        self.trainer_args: str | None = None  # a Hugging Face Trainer's arguments' class (RunConfig.trainer_args)
         self.recipe: Recipe | None = None  # the torchtune recipe that runs it (RunConfig.recipe: its file)
         # the step's checkpoint saves (start, end ns, asynchronous: None where not known): checkpointing(), the
         # drivers' saves and torch.distributed.checkpoint's own (its save and async_save: DcpSaveTap)
@@ -789,7 +790,7 @@ class Doctor:
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
             selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed, unseen=self._timer.frame_unseen,
             unseen_from=self._unseen_from)
-        cfg.driver = self.driver
+        cfg.driver, cfg.trainer_args = self.driver, self.trainer_args
         if self.recipe is not None:
             r = self.recipe
             cfg.recipe, cfg.recipe_reduced, cfg.recipe_scaled_by = r.file, r.reduced, r.scaled_by

@@ -255,6 +255,12 @@ GRAD_NORM_PHASE = "grad_norm"
 #: issues them (tensor/sequence parallelism's all-gathers, reduce-scatters and all-reduces, a vocab-parallel loss,
 #: context parallelism, experts' all-to-all), not the user's loop
 MODEL_PHASE = "model"
+#: CollectiveCall.phase of a collective no FSDP unit issued that the host issued inside the model's span but outside
+#: every unit (and outside an evaluation's forwards): between a forward and its backward, where the code computing the
+#: loss reduces what it logs (a Trainer's compute_loss: TRL's SFTTrainer gathers its token count, entropy and
+#: accuracy there at every micro-batch), or between micro-batches. Not where a per-parameter gradient-norm log runs
+#: (after the last backward): a TRL run's 8 metric gathers a step were read as one, its code offered
+LOSS_PHASE = "loss"
 
 
 @contextmanager
@@ -519,6 +525,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 iv.union_many(iv.subtract(in_model, evaluating), iv.intersect(iv.intersect(in_model, evaluating),
                                                                               in_units)), MODEL_PHASE)
     _mark_calls(win.calls, _spans(norms, scale), GRAD_NORM_PHASE)
+    _mark_calls(win.calls, iv.subtract(in_model, evaluating), LOSS_PHASE)
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     win.between_comm_us = _loop_comm_us(win.calls, between)[0]
     if kept_steps and not win.calls and not iv.measure(win.compute) and not iv.measure(win.comm) \
@@ -714,8 +721,9 @@ def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],
 def _mark_calls(calls: list[CollectiveCall], spans: iv.Intervals, phase: str) -> None:
     """``phase`` for the collectives no FSDP unit issued, with no phase yet, that the host issued inside
     ``spans``: inside optimizer.step() (its labels' intervals) the optimizer's own ("optimizer"); inside the model
-    the model's (MODEL_PHASE); inside a norm operator (GRAD_NORM_OPS) a gradient norm's reduction (GRAD_NORM_PHASE).
-    None is the loop's own code."""
+    the model's (MODEL_PHASE); inside a norm operator (GRAD_NORM_OPS) a gradient norm's reduction (GRAD_NORM_PHASE);
+    inside the model's span, outside its units, the loss's code (LOSS_PHASE). None is the loop's own code around the
+    passes."""
     starts, ends = spans
     if not starts.size:
         return

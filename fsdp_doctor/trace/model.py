@@ -21,7 +21,9 @@ class CollectiveCall:
 
     unit: str  # FSDP unit fqn, "(root)", or "(other)" when no FSDP label launched it
     collective: str  # all_gather | reduce_scatter | all_reduce | ...
-    phase: Optional[str]  # forward | backward; not FSDP's: optimizer (issued inside optimizer.step()) or None
+    # forward | backward; not FSDP's: optimizer (issued inside optimizer.step()), model, grad_norm, loss (between
+    # the passes: build.LOSS_PHASE) or None (the loop around them)
+    phase: Optional[str]
     start: float
     end: float
     issue: float  # host time the collective was issued (launch / c10d op start)

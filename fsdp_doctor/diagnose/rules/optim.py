@@ -9,7 +9,7 @@ from typing import NamedTuple, Optional
 
 import msgspec
 
-from ...trace.build import GRAD_NORM_PHASE, MODEL_PHASE
+from ...trace.build import GRAD_NORM_PHASE, LOSS_PHASE, MODEL_PHASE
 from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
@@ -101,6 +101,8 @@ class _OtherComm:
     loop_calls: float = 0.0
     norm_calls: float = 0.0  # of the loop's, those issued inside a norm operator: a gradient norm's reduction
     norm_ms: float = 0.0  # their exposed time
+    loss_calls: float = 0.0  # of the loop's, those between the passes (LOSS_PHASE: the loss's code, per micro-batch)
+    loss_ms: float = 0.0  # their exposed time
 
     def add(self, r: E.TraceRow) -> None:
         self.calls += r.count_per_step
@@ -114,6 +116,9 @@ class _OtherComm:
         if r.phase == GRAD_NORM_PHASE:
             self.norm_calls += r.count_per_step
             self.norm_ms += r.exposed_ms_per_step
+        if r.phase == LOSS_PHASE:
+            self.loss_calls += r.count_per_step
+            self.loss_ms += r.exposed_ms_per_step
 
     @property
     def batched_norm(self) -> bool:
@@ -199,17 +204,26 @@ class OptimizerStepComm(Rule):
         # step, read as a per-tensor norm log with its grad-norm code: a new-user trial)
         recipe = E.torchtune_recipe(ctx)
         reduced, scaled_by = E.torchtune_reductions(ctx)
-        if mostly_loop and loop_calls > PER_TENSOR_CALLS_MIN and not (recipe is not None and reduced):
+        # those between a forward and its backward are the loss's code's, once per micro-batch (TRL's SFTTrainer
+        # gathers 4 metrics there: 8 calls a step over 2 micro-batches, read as a per-tensor norm log with its code),
+        # not a gradient-norm log's, which runs after the last backward
+        passes = _between_passes(worst, "lightning" if lightning else "recipe" if recipe is not None else
+                                 (getattr(ctx.config, "trainer_args", None) or "trainer") if trainer else "loop")
+        if passes:
+            evidence["between_passes_calls_per_step"] = round(worst.loss_calls, 1)
+            evidence["between_passes_exposed_ms"] = round(worst.loss_ms, 3)
+        if mostly_loop and loop_calls - worst.loss_calls > PER_TENSOR_CALLS_MIN and not (recipe is not None and reduced):
             # the user's loop, one collective per tensor: what a per-parameter norm log does (full_tensor() of each
             # gradient: an all-gather each), or clip_grad_norm_(..., foreach=False)
-            text = (said + f"{loop_calls:.0f} calls per step outside the optimizer look like one collective per "
+            text = (said + f"{loop_calls - worst.loss_calls:.0f} calls per step around the passes look like one "
+                    "collective per "
                     "tensor: usually a gradient-norm log that calls full_tensor() (or .norm().full_tensor()) on each "
                     "parameter's gradient. The code computes the same per-parameter norms from each rank's shard "
                     "with one all-reduce for all of them, every LOG_EVERY steps: put it where your loop computes "
                     "them, in place of that code (clipping instead? clip_grad_norm_(model.parameters(), max_norm, "
                     f"foreach=True) reduces the total norm in one call). The prediction removes the {code_ms:.1f} ms "
                     "per step from the end of the first of those calls (its wait for the other ranks stays) to the "
-                    "last one's end: the code that issues them, its collectives included.")
+                    "last one's end: the code that issues them, its collectives included." + passes)
             return [self.finding(sev, title, evidence, text, S.GRAD_NORMS_CODE, where="after_backward",
                                  inputs={"step": "the index of the optimizer step"},
                                  predicted=E.predicted(step, step - code_ms), ranks=[int(rank)])]
@@ -230,7 +244,8 @@ class OptimizerStepComm(Rule):
         if mostly_loop and gain < OTHER_COMM_INFO_SHARE * step:
             return self.quiet(f"{worst.calls:.0f} batched collectives per step outside FSDP's own, "
                               f"{worst.exposed_ms:.1f} ms exposed: a wait for the other ranks that the step keeps at "
-                              f"its next collective without them (removing them gains {gain:.1f} ms){besides}")
+                              f"its next collective without them (removing them gains {gain:.1f} ms){besides}"
+                              + (f". {passes.strip()}" if passes else ""))
         name = getattr(ctx.config, "optimizer", None) or ""
         text = said + (
             # (a trial: torch.optim.Muon beside AdamW on FSDP2's shards, 108 collectives per step inside its steps for
@@ -266,6 +281,7 @@ class OptimizerStepComm(Rule):
             "metric reductions such as a loss all-reduce read with .item()): what remains is their exposure. "
             "Reduce metrics every N steps instead of every step (if step % N == 0: ...), and on a GPU keep the "
             f"values on the device until then. {S.NO_LOOP_CODE}")
+        text += passes
         if kept:
             evidence["grad_norm_ms_kept"] = round(kept, 3)
             text += (f" Of them, {worst.norm_calls:.0f} per step reduce a gradient norm (clip_grad_norm_'s total "
@@ -275,6 +291,32 @@ class OptimizerStepComm(Rule):
                      "the step keeps at its next collective.")
         return [self.finding(sev, title, evidence, text, "", predicted=E.predicted(step, step - gain),
                              ranks=[int(rank)])]
+
+
+def _between_passes(worst: _OtherComm, driver: str) -> str:
+    """optim.step_comm's words on the loop's collectives issued between a forward and its backward (LOSS_PHASE): the
+    loss's code reduces there once per micro-batch, which the prediction leaves (its figure is the code around the
+    passes); "" where there are none. ``driver``: "loop" (the user's own), "lightning", "recipe" (torchtune's),
+    "trainer" or a Hugging Face Trainer's arguments' class (RunConfig.trainer_args: "trl.SFTConfig")."""
+    if not worst.loss_calls:
+        return ""
+    said = (f" {worst.loss_calls:.0f} of the calls per step ({worst.loss_ms:.1f} ms exposed) are issued between a "
+            "forward and its backward, outside every unit, where the code computing the loss reduces values once per "
+            "micro-batch: ")
+    if driver.startswith("trl."):
+        return said + (f"TRL's trainer ({driver}) gathers the metrics it logs there (its SFTTrainer the token "
+                       "counts, entropy and accuracy of each micro-batch) over the ranks, in its compute_loss, and no "
+                       "option of its turns that off. The prediction leaves them.")
+    if driver == "lightning":
+        return said + ("your training_step reduces there (self.log(..., sync_dist=True) after its forward). The "
+                       "prediction counts the calls around the passes only.")
+    if driver == "recipe":
+        return said + "the recipe reduces there. The prediction counts the calls around the passes only."
+    if driver != "loop":
+        return said + ("a compute_loss of your Trainer subclass's (or a loss function of yours) reduces there: "
+                       "reduce what it logs every N steps instead. The prediction leaves them.")
+    return said + ("your loss code reduces there: reduce what it logs every N steps instead. The prediction counts "
+                   "the calls around the passes only.")
 
 
 def _recipe_reductions(recipe: str, reduced: list[str], scaled_by: Optional[str]) -> str:
