@@ -39,6 +39,8 @@ ELSEWHERE = {"checkpoint.blocking": "torchtitan's and a Hugging Face Trainer's s
              "compile.recompile_limit": "an HF Llama of 10 decoder layers, each compiled in place "
                                         "(tests/test_recompile_limit.py); of 16 with inductor on a GPU "
                                         "(GPU row gpu_hf_llama_recompile_limit)",
+             "wrap.reference_one_unit": "TRL 1.16's DPOTrainer, its reference model sharded by TRL as one unit, "
+                                        "the fix's reference passed to a new DPOTrainer (tests/test_trl.py)",
              "jitter.level_shift": "four 40-step 2-rank runs whose step time changes at step 20 and stays (longer "
                                    "sequences, a slower loader, a thread on one rank) or grows 3 ms every step "
                                    "(tests/fixtures/level_shift, tests/test_level_shift.py)"}

@@ -755,6 +755,8 @@ FIX_PLACES = {
                       "it replaces",
     "evaluation": "around your evaluation (where the model runs without a backward after it)",
     "trainer": "with your Trainer built, before trainer.train()",
+    # TRL's reference model, built and sharded by the user (rules/wrap.ReferenceOneUnit)
+    "trl_reference": "before you build the TRL trainer, with your policy model built",
     # a loop fix where PyTorch Lightning's Trainer runs the loop (snippets.for_lightning)
     "training_step": "in your LightningModule's training_step(self, batch, batch_idx), before it returns the loss",
     "lightning_module": "in your LightningModule's class body",

@@ -1300,6 +1300,9 @@ def run_snippets(spec_path: Path) -> dict:
         if "pin_memory=True" in snippet and not torch.accelerator.is_available():  # CPUOffloadPolicy runs here
             out.append([client, finding_code, "skipped: pinned host memory needs an accelerator"])
             continue
+        if where == "trl_reference":  # a reference model built from the policy's checkpoint, for a TRL trainer
+            out.append([client, finding_code, "skipped: run in a TRL DPOTrainer by tests/test_trl.py"])
+            continue
         try:
             model = BUILD[client]().to(dev)
             ns, code = {}, snippet

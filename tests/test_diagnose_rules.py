@@ -2221,7 +2221,8 @@ def test_optimizer_step_comm_counts_only_the_calls_around_the_passes_as_a_norm_l
     assert f.evidence["between_passes_exposed_ms"] == pytest.approx(9.0)
     assert rec.code == "" and "one collective per tensor" not in rec.text, rec.text
     assert ("8 of the calls per step (9.0 ms exposed) are issued between a forward and its backward, outside every "
-            "unit" in rec.text and "TRL's trainer (trl.SFTConfig) gathers the metrics it logs there" in rec.text), \
+            "unit" in rec.text and "TRL's trainer (trl.SFTConfig) gathers the token counts, entropy and accuracy it logs "
+            "there" in rec.text), \
         rec.text
     # the prediction: the code around the passes (9 - 1 ms), less clipping's norm it keeps (1 ms)
     assert f.predicted["step_ms_before"] - f.predicted["step_ms_after"] == pytest.approx(7.0)
@@ -2234,6 +2235,37 @@ def test_optimizer_step_comm_counts_only_the_calls_around_the_passes_as_a_norm_l
     assert "dist.all_reduce(total)" in f.recommendation.code and f.recommendation.where == "after_backward"
     assert "13 calls per step around the passes look like one collective per tensor" in f.recommendation.text
     assert "your loss code reduces there" in f.recommendation.text, f.recommendation.text
+
+
+def test_trl_reference_sharded_as_one_unit():
+    """TRL's DPOTrainer shards the reference model it builds with one fully_shard call on the whole model
+    (trl.models.prepare_fsdp under FSDP2): the run's one FSDP2 unit of another model, beside a policy of blocks. The
+    finding sizes the reference's gathered parameters as the policy's (same checkpoint, dtype), warns where that is
+    5% of the device or more, and its fix builds the reference from the policy's checkpoint, sharded block by block
+    as the policy's units (their reshard setting left at TRL's default, True: nothing runs backward through it)."""
+    from fsdp_doctor.diagnose.rules.wrap import REFERENCE_WHOLE_WARN_SHARE
+
+    def ctx_of(others, capacity=None, **kw):
+        ctx, _ = build(capacity=capacity, **{"driver": TRAINER_DRIVER, "trainer_args": "trl.DPOConfig", **kw})
+        ctx.run.ranks = {r: SimpleNamespace(end=SimpleNamespace(other_fsdp_units=others), steps=[]) for r in (0, 1)}
+        return ctx
+
+    whole = sum(u["unsharded_bytes"] for u, _ in healthy_units())
+    (f,) = run_rule("wrap.reference_one_unit", ctx_of(1))
+    assert f.severity == "info" and f.evidence["reference_gathered_bytes"] == whole
+    assert f.evidence["policy_units"] == len(healthy_units()) and f.recommendation.where == "trl_reference"
+    code = f.recommendation.code
+    assert "ref_model = AutoModelForCausalLM.from_pretrained(" in code and "model.config._name_or_path" in code
+    assert "for block in ref_model.layers.children():" in code and "fully_shard(ref_model, mesh=mesh)" in code, code
+    assert "reshard_after_forward" not in code and "# then: DPOTrainer(..., ref_model=ref_model)" in code, code
+    assert set(f.recommendation.inputs) == {"model"}
+    (f,) = run_rule("wrap.reference_one_unit", ctx_of(1, capacity=int(whole / REFERENCE_WHOLE_WARN_SHARE)))
+    assert f.severity == "warning"
+    rule = next(c for c in RULES if c.code == "wrap.reference_one_unit")()
+    assert rule.match(ctx_of(0)) == [] and "none: no reference model" in rule.why_quiet
+    assert rule.match(ctx_of(7)) == [] and rule.why_quiet.startswith("7 FSDP2 units of another model")
+    st = run_status("wrap.reference_one_unit", ctx_of(1, trainer_args="trl.SFTConfig"))
+    assert st.status == "skipped" and "not a TRL trainer with a reference model" in st.reason, st
 
 
 def test_optimizer_state_dominates():

@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer recorded by fsdp_doctor.DoctorCallback on 2 gloo ranks, as its user runs it (tests/trl_cases.py;
-the long tier: two real runs)."""
+"""TRL's SFTTrainer and DPOTrainer recorded by fsdp_doctor.DoctorCallback on 2 gloo ranks, as their users run them
+(tests/trl_cases.py; the long tier: two real runs of each)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,16 @@ from trl_cases import MICRO, TRL_SITE
 from fsdp_doctor.diagnose.rules.optim import PER_TENSOR_CALLS_MIN
 
 
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory):
+def _case(tmp_path_factory, case: str) -> list[dict]:
+    """Each rank's RESULT of tests/trl_cases.py's ``case`` on 2 gloo ranks."""
     if not (TRL_SITE / "trl").is_dir() or not (TITAN_SITE / "datasets").is_dir():
         pytest.skip(f"TRL is not installed in {TRL_SITE} or datasets in {TITAN_SITE} (make setup installs them)")
-    return _launch("sft", 2, tmp_path_factory.mktemp("trl"), script="trl_cases.py")[0]
+    return _launch(case, 2, tmp_path_factory.mktemp(f"trl_{case}"), script="trl_cases.py")[0]
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    return _case(tmp_path_factory, "sft")
 
 
 def test_sft_trainers_metric_gathers_are_its_loss_codes_not_a_grad_norm_log(sft_run):
@@ -36,7 +41,7 @@ def test_sft_trainers_metric_gathers_are_its_loss_codes_not_a_grad_norm_log(sft_
         assert 0 < around <= PER_TENSOR_CALLS_MIN, before["other"]
         f = before["findings"].get("optim.step_comm")
         if f is not None:  # (its exposure near the rule's 2% of the step: a finding or quiet, by the host's load)
-            assert f["code"] == "" and "TRL's trainer (trl.SFTConfig)" in f["text"], f
+            assert f["code"] == "" and "TRL's trainer (trl.SFTConfig) gathers" in f["text"], f
         else:
             why = before["quiet"]["optim.step_comm"]
             assert "one collective per tensor" not in why, why
@@ -53,3 +58,31 @@ def test_sft_trainers_sync_unshard_fix_is_a_callback_that_works(sft_run):
         assert "prefetch.sync_unshard" not in after["findings"], after["findings"].keys()
         assert not [c for c, g in after["findings"].items() if g["severity"] != "info"], after["findings"]
         assert after["losses"] == before["losses"] and len(before["losses"]) == 10, (before["losses"], after["losses"])
+
+
+@pytest.fixture(scope="module")
+def dpo_run(tmp_path_factory):
+    return _case(tmp_path_factory, "dpo")
+
+
+def test_dpo_reference_sharded_whole_by_trl_is_found_and_its_fix_shards_its_blocks(dpo_run):
+    """TRL's DPOTrainer shards the reference model it builds with one fully_shard call (prepare_fsdp: no wrap policy
+    under FSDP2): each reference forward gathers the whole model. wrap.reference_one_unit says so, with the reference's
+    size, and its fix builds the reference as TRL does, shards it block by block as the policy, and passes it:
+    pasted as printed (with the policy built), TRL leaves it as it is, the rule is quiet, no other warning appears and
+    the losses (the reference's log-probabilities in each) are the same."""
+    for res in dpo_run:
+        before, after = res["dpo"], res["dpo_fixed"]
+        # (FSDPModules: 4 layers, the embedding, the norm and head of one unit, the root; the rule counts 7 units)
+        assert before["reference_units"] == 1 and after["reference_units"] == 8, (before, after)
+        f = before["findings"]["wrap.reference_one_unit"]
+        assert f["where"] == "trl_reference" and "ref_model = AutoModelForCausalLM.from_pretrained(" in f["code"], f
+        assert "for block in ref_model.model.layers.children():" in f["code"], f["code"]
+        assert "each reference forward all-gathers all of its parameters at once" in f["text"], f["text"]
+        assert max(map(len, f["code"].splitlines())) <= 80, f["code"]
+        assert "wrap.reference_one_unit" not in after["findings"], after["findings"].keys()
+        assert after["quiet"]["wrap.reference_one_unit"].startswith("7 FSDP2 units of another model"), after["quiet"]
+        assert not {c for c, g in after["findings"].items() if g["severity"] != "info"} - set(before["findings"])
+        assert after["losses"] == before["losses"] and len(before["losses"]) == 10, (before["losses"], after["losses"])
+        # the loss code's gathers between the passes (TRL's DPO metrics, after the reference's forward): no norm log
+        assert "dist.all_reduce(total)" not in before["findings"].get("optim.step_comm", {}).get("code", "")

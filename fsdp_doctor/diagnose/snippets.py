@@ -2064,7 +2064,7 @@ def for_trainer(rec, finding: str = "", gpu: bool = True) -> None:
                      f"{gc_fix[1]} optimizer steps (on_step_end, the same step on every rank).")
         return
     # the user's own evaluation code, wherever it runs, and a fix the rule wrote for the Trainer: as they are
-    if not rec.code or rec.where in ("evaluation", "trainer"):
+    if not rec.code or rec.where in ("evaluation", "trainer", "trl_reference"):
         return
     if rec.where not in ("sharded", "optimizer") or _REBINDS.search(rec.code):
         rec.text += TRAINER_ELSEWHERE

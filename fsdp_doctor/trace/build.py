@@ -41,7 +41,7 @@ import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -217,6 +217,11 @@ class _Phases:
         i = bisect.bisect_right(self._ts, t) - 1
         return self._kind[i] if i >= 0 else "forward"
 
+    def next(self, t: float) -> Optional[str]:
+        """The kind of the first boundary after ``t``; None: none."""
+        i = bisect.bisect_right(self._ts, t)
+        return self._kind[i] if i < len(self._kind) else None
+
 
 def _stream_id(args) -> int:
     if args is None or args.stream is None:
@@ -256,10 +261,11 @@ GRAD_NORM_PHASE = "grad_norm"
 #: context parallelism, experts' all-to-all), not the user's loop
 MODEL_PHASE = "model"
 #: CollectiveCall.phase of a collective no FSDP unit issued that the host issued inside the model's span but outside
-#: every unit (and outside an evaluation's forwards): between a forward and its backward, where the code computing the
-#: loss reduces what it logs (a Trainer's compute_loss: TRL's SFTTrainer gathers its token count, entropy and
-#: accuracy there at every micro-batch), or between micro-batches. Not where a per-parameter gradient-norm log runs
-#: (after the last backward): a TRL run's 8 metric gathers a step were read as one, its code offered
+#: every unit, with a backward the next pass: between a forward and its backward, where the code computing the loss
+#: reduces what it logs (a Trainer's compute_loss: TRL's SFTTrainer gathers its token count, entropy and accuracy
+#: there at every micro-batch; its DPOTrainer 16, after its reference model's forward). Not an evaluation's (a forward
+#: next), nor where a per-parameter gradient-norm log runs (after the last backward): a TRL run's 8 metric gathers a
+#: step were read as one, its code offered
 LOSS_PHASE = "loss"
 
 
@@ -525,7 +531,9 @@ def _build_window(path: Path, trace) -> WindowTrace:
                 iv.union_many(iv.subtract(in_model, evaluating), iv.intersect(iv.intersect(in_model, evaluating),
                                                                               in_units)), MODEL_PHASE)
     _mark_calls(win.calls, _spans(norms, scale), GRAD_NORM_PHASE)
-    _mark_calls(win.calls, iv.subtract(in_model, evaluating), LOSS_PHASE)
+    # (a step with a forward without gradients, a DPO reference model's, is all "evaluating": its loss code's gathers
+    # are told by the backward that follows them, as an evaluation's are by the forward)
+    _mark_calls(win.calls, in_model, LOSS_PHASE, lambda c: phases.next(c.issue) == "backward")
     win.loop_comm_us, win.loop_comm_wait_us = _loop_comm_us(win.calls, loop)
     win.between_comm_us = _loop_comm_us(win.calls, between)[0]
     if kept_steps and not win.calls and not iv.measure(win.compute) and not iv.measure(win.comm) \
@@ -718,19 +726,20 @@ def steps_from_optimizer(opt: list[tuple[float, float]], forwards: list[float],
     return {i: (t, ends[i + 1] if i + 1 < len(ends) else max(end, t)) for i, t in enumerate(ends)}
 
 
-def _mark_calls(calls: list[CollectiveCall], spans: iv.Intervals, phase: str) -> None:
+def _mark_calls(calls: list[CollectiveCall], spans: iv.Intervals, phase: str,
+                keep: Optional[Callable[[CollectiveCall], bool]] = None) -> None:
     """``phase`` for the collectives no FSDP unit issued, with no phase yet, that the host issued inside
     ``spans``: inside optimizer.step() (its labels' intervals) the optimizer's own ("optimizer"); inside the model
     the model's (MODEL_PHASE); inside a norm operator (GRAD_NORM_OPS) a gradient norm's reduction (GRAD_NORM_PHASE);
-    inside the model's span, outside its units, the loss's code (LOSS_PHASE). None is the loop's own code around the
-    passes."""
+    inside the model's span, outside its units, before a backward, the loss's code (LOSS_PHASE). None is the loop's own
+    code around the passes. ``keep``: of those calls, the ones to mark (all where None)."""
     starts, ends = spans
     if not starts.size:
         return
     for c in calls:
         if c.unit == OTHER_UNIT and c.phase is None:
             i = int(np.searchsorted(starts, c.issue, side="right")) - 1
-            if i >= 0 and c.issue <= ends[i]:
+            if i >= 0 and c.issue <= ends[i] and (keep is None or keep(c)):
                 c.phase = phase
 
 

@@ -4,6 +4,7 @@ the root never sharded, a unit mixing parameter dtypes)."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 from typing import Optional
 
@@ -1086,3 +1087,76 @@ class UnreducedParams(Rule):
             "            p.grad /= dist.get_world_size()\n"
             "optimizer.register_step_pre_hook(average_unmanaged_grads)",
             units=[""])]
+
+
+#: TRL's trainers whose reference model TRL shards itself (trl.models.prepare_fsdp: one fully_shard call on the whole
+#: model under FSDP2, no auto-wrap), by their arguments' class (RunConfig.trainer_args); a reference already sharded
+#: it leaves as it is
+TRL_REFERENCE_TRAINERS = {"trl.DPOConfig": "DPOTrainer"}
+#: the whole reference gathered at once is a warning from this share of the device's capacity
+REFERENCE_WHOLE_WARN_SHARE = 0.05
+
+
+@register
+class ReferenceOneUnit(Rule):
+    code = "wrap.reference_one_unit"
+    name = "TRL's reference model one FSDP unit"
+    description = ("TRL sharded the reference model of its DPOTrainer with one fully_shard call on the whole model: "
+                   "each reference forward gathers all of its parameters at once.")
+    needs = ("units",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        cfg = ctx.config
+        args = getattr(cfg, "trainer_args", None) if cfg is not None else None
+        trainer = TRL_REFERENCE_TRAINERS.get(args or "")
+        if trainer is None:
+            return self.skip("not a TRL trainer with a reference model (recorded: "
+                             f"{args or 'no Hugging Face Trainer'})")
+        others = E.other_fsdp_units(ctx)
+        if others != 1:
+            return self.quiet(f"{others} FSDP2 units of another model (the reference) in the process: "
+                              + ("none: no reference model (PEFT's adapters off, or precomputed log-probabilities)"
+                                 if not others else "sharded in more than one unit"))
+        if cfg.mesh or cfg.world_ranks:
+            return self.quiet("the model's mesh is not one FSDP dimension over every rank: the reference's own mesh "
+                              "is the plugin's, which this fix does not rebuild")
+        units = E.param_units(ctx)
+        t = S.tree(ctx)
+        conts = t.containers()
+        if len(units) < 2 or not conts:
+            return self.quiet("the watched model is one unit too, without repeated blocks to shard apart")
+        whole = sum(u.unsharded_bytes or 0 for u in units)
+        largest = max(u.unsharded_bytes or 0 for u in units)
+        cap = E.capacity_bytes(ctx)
+        sev = "warning" if cap and whole >= REFERENCE_WHOLE_WARN_SHARE * cap else "info"
+        blocks = sum(len(v) for v in conts.values())
+        plan = S.shard_plan(t, drop=("reshard_after_forward",))
+        plan = "\n".join(ln for ln in plan.splitlines() if not ln.startswith("# replaces your fully_shard"))
+        plan = re.sub(r"(?<![\w.])model(?=[.\[,)\s]|$)", "ref_model", plan, flags=re.M)
+        code = ("from transformers import AutoModelForCausalLM\n\n"
+                "# TRL shards a reference it builds with one fully_shard call on the whole model, and leaves one "
+                "already sharded as it is: build it as TRL does (from the policy's checkpoint, in its dtype), its "
+                "blocks sharded one by one as the policy's, and pass it to the trainer\n"
+                "ref_model = AutoModelForCausalLM.from_pretrained(\n"
+                "    model.config._name_or_path, dtype=model.dtype,\n"
+                "    attn_implementation=model.config._attn_implementation)\n"
+                + plan + "\nref_model.eval()\n"
+                f"# then: {trainer}(..., ref_model=ref_model)")
+        n = len(E.units(ctx))
+        evidence = {"trainer_args": args, "reference_units": others, "reference_gathered_bytes": whole,
+                    "policy_units": n, "policy_largest_unit_bytes": largest, "blocks": blocks,
+                    "capacity_bytes": cap}
+        text = (f"TRL's {trainer} shards the reference model it builds (from the policy's checkpoint) with one "
+                "fully_shard call on the whole model (trl.models.prepare_fsdp under FSDP2: no wrap policy), so the "
+                f"run holds 1 FSDP2 unit of another model beside the policy's {n}: each reference forward "
+                f"all-gathers all of its parameters at once, about {fmt_bytes(whole)} per rank (the policy's, same "
+                f"architecture and dtype), where the policy's largest unit gathers {fmt_bytes(largest)}, and keeps "
+                "them until that forward ends. Built and sharded by you, block by block as the policy is, the "
+                "reference is left as it is by TRL and gathers one block at a time. On a GPU that is the "
+                "difference at the reference forward's peak; this run's memory figures do not hold the reference "
+                "(another model's), so no peak is predicted.")
+        return [self.finding(sev, f"TRL's reference model is one FSDP unit: {fmt_bytes(whole)} gathered at once "
+                                  "in each reference forward", evidence, text, code, where="trl_reference",
+                             inputs={"model": f"your policy model, before you pass it to {trainer}"},
+                             predicted=E.predicted(E.step_ms(ctx), E.step_ms(ctx)))]
