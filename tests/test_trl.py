@@ -50,7 +50,8 @@ def test_sft_trainers_metric_gathers_are_its_loss_codes_not_a_grad_norm_log(sft_
 
 def test_sft_trainers_sync_unshard_fix_is_a_callback_that_works(sft_run):
     """prefetch.sync_unshard's fix under TRL's trainer is the Trainer callback (trainer.add_callback before train()):
-    pasted as printed into a new SFTTrainer, the rule is quiet, no other warning appears, and the losses are the same."""
+    pasted as printed into a new SFTTrainer, the rule is quiet, no other warning appears, and the losses are the
+    same."""
     for res in sft_run:
         before, after = res["sft"], res["sft_fixed"]
         f = before["findings"]["prefetch.sync_unshard"]

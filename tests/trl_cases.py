@@ -53,8 +53,9 @@ def llama_and_tokenizer():
 
 
 def sft_trainer(out: Path, callbacks: list):
-    """TRL's SFTTrainer of llama_and_tokenizer()'s Llama on 256 texts of 20-60 WORDS, 4 sequences of at most 64 tokens a micro-batch, MICRO micro-batches a step, sharded by the FSDP2 plugin
-    the Trainer makes from ``fsdp_config`` (each decoder layer a unit)."""
+    """TRL's SFTTrainer of llama_and_tokenizer()'s Llama on 256 texts of 20-60 WORDS, 4 sequences of at most 64
+    tokens a micro-batch, MICRO micro-batches a step, sharded by the FSDP2 plugin the Trainer makes from
+    ``fsdp_config`` (each decoder layer a unit)."""
     from accelerate import FullyShardedDataParallelPlugin
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer

@@ -212,12 +212,12 @@ class OptimizerStepComm(Rule):
         if passes:
             evidence["between_passes_calls_per_step"] = round(worst.loss_calls, 1)
             evidence["between_passes_exposed_ms"] = round(worst.loss_ms, 3)
-        if mostly_loop and loop_calls - worst.loss_calls > PER_TENSOR_CALLS_MIN and not (recipe is not None and reduced):
+        around = loop_calls - worst.loss_calls
+        if mostly_loop and around > PER_TENSOR_CALLS_MIN and not (recipe is not None and reduced):
             # the user's loop, one collective per tensor: what a per-parameter norm log does (full_tensor() of each
             # gradient: an all-gather each), or clip_grad_norm_(..., foreach=False)
-            text = (said + f"{loop_calls - worst.loss_calls:.0f} calls per step around the passes look like one "
-                    "collective per "
-                    "tensor: usually a gradient-norm log that calls full_tensor() (or .norm().full_tensor()) on each "
+            text = (said + f"{around:.0f} calls per step around the passes look like one collective per tensor: "
+                    "usually a gradient-norm log that calls full_tensor() (or .norm().full_tensor()) on each "
                     "parameter's gradient. The code computes the same per-parameter norms from each rank's shard "
                     "with one all-reduce for all of them, every LOG_EVERY steps: put it where your loop computes "
                     "them, in place of that code (clipping instead? clip_grad_norm_(model.parameters(), max_norm, "
@@ -310,19 +310,18 @@ def _between_passes(worst: _OtherComm, driver: str) -> str:
             "forward and its backward, outside every unit, where the code computing the loss reduces values once per "
             "micro-batch: ")
     if driver.startswith("trl."):
-        what = TRL_METRICS.get(driver, "the metrics it logs")
-        return said + (f"TRL's trainer ({driver}) gathers {what} there over the ranks, in its compute_loss, and no "
-                       "option of its turns that off. The prediction leaves them.")
-    if driver == "lightning":
-        return said + ("your training_step reduces there (self.log(..., sync_dist=True) after its forward). The "
-                       "prediction counts the calls around the passes only.")
-    if driver == "recipe":
-        return said + "the recipe reduces there. The prediction counts the calls around the passes only."
-    if driver != "loop":
-        return said + ("a compute_loss of your Trainer subclass's (or a loss function of yours) reduces there: "
-                       "reduce what it logs every N steps instead. The prediction leaves them.")
-    return said + ("your loss code reduces there: reduce what it logs every N steps instead. The prediction counts "
-                   "the calls around the passes only.")
+        who = (f"TRL's trainer ({driver}) gathers {TRL_METRICS.get(driver, 'the metrics it logs')} there over the "
+               "ranks, in its compute_loss, and no option of its turns that off.")
+    elif driver == "lightning":
+        who = "your training_step reduces there (self.log(..., sync_dist=True) after its forward)."
+    elif driver == "recipe":
+        who = "the recipe reduces there."
+    elif driver != "loop":
+        who = ("a compute_loss of your Trainer subclass's (or a loss function of yours) reduces there: reduce what it "
+               "logs every N steps instead.")
+    else:
+        who = "your loss code reduces there: reduce what it logs every N steps instead."
+    return said + who + " The prediction leaves them."
 
 
 def _recipe_reductions(recipe: str, reduced: list[str], scaled_by: Optional[str]) -> str:
