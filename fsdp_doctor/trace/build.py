@@ -263,7 +263,7 @@ MODEL_PHASE = "model"
 #: CollectiveCall.phase of a collective no FSDP unit issued that the host issued inside the model's span but outside
 #: every unit, with a backward the next pass: between a forward and its backward, where the code computing the loss
 #: reduces what it logs (a Trainer's compute_loss: TRL's SFTTrainer gathers its token count, entropy and accuracy
-#: there at every micro-batch; its DPOTrainer 16, after its reference model's forward). Not an evaluation's (a forward
+#: there at every micro-batch; its DPOTrainer 15, after its reference model's forward). Not an evaluation's (a forward
 #: next), nor where a per-parameter gradient-norm log runs (after the last backward): a TRL run's 8 metric gathers a
 #: step were read as one, its code offered
 LOSS_PHASE = "loss"
