@@ -713,7 +713,8 @@ def other_models_text(section: StepsSection) -> Optional[str]:
     r, ms = max(per.items(), key=lambda kv: kv[1])
     outside = (section.per_rank[r].phases_p50_ms or {}).get("outside")
     of = f" of the {fmt_ms(outside)}" if outside else ""
-    return (f"Another FSDP2 model's forward and backward (a teacher's, a reference model's) run inside the steps: "
+    # (its passes: a teacher's or a DPO reference's forward alone, a GAN's other network's forward and backward)
+    return (f"Another FSDP2 model's passes (a teacher's, a reference model's) run inside the steps: "
             f"{fmt_ms(ms)}{of} per step outside the model (p50, rank {r}); model work, counted as compute in the "
             "verdict, not data loading")
 
