@@ -423,7 +423,6 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
     (``TrainingArguments(fsdp=True, fsdp_config=...)``; accelerate enables FSDP on GPUs only, so the plugin and
     the state are forced here, as in run_accelerate); ``items``: training sequences, ``eval_items`` evaluation
     ones; ``args``: more TrainingArguments."""
-    from accelerate import FullyShardedDataParallelPlugin
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     torch.manual_seed(0)
@@ -438,13 +437,22 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
     targs = TrainingArguments(**{**kw, **args}, fsdp=True, fsdp_config=fsdp_config)
     tr = Trainer(model=model, args=targs, train_dataset=_Tokens(items, 0, slow_ms, seq),
                  eval_dataset=_Tokens(eval_items, 10_000, 0.0, seq), callbacks=callbacks)
-    st = tr.accelerator.state  # the plugin the Trainer makes on a GPU (trainer.py: from args.fsdp_plugin_args)
-    st.fsdp_plugin = FullyShardedDataParallelPlugin(**targs.fsdp_plugin_args)
+    trainer_fsdp(tr)
+    st = tr.accelerator.state
     if st.mixed_precision != "no":  # as AcceleratorState does on a GPU (bf16=True: reduce_dtype bfloat16)
         st.fsdp_plugin.set_mixed_precision(st.mixed_precision)
-    force_fsdp(st)
-    tr.is_fsdp_enabled = True
     return tr
+
+
+def trainer_fsdp(tr) -> None:
+    """A built Trainer's accelerator on its FSDP path, as on a GPU: the FSDP2 plugin the Trainer makes from its
+    arguments (trainer.py: from args.fsdp_plugin_args), the state forced to FSDP (force_fsdp) and the Trainer's own
+    flag on."""
+    from accelerate import FullyShardedDataParallelPlugin
+
+    tr.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**tr.args.fsdp_plugin_args)
+    force_fsdp(tr.accelerator.state)
+    tr.is_fsdp_enabled = True
 
 
 def run_trainer(out: Path) -> dict:

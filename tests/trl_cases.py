@@ -24,7 +24,7 @@ TRL_SITE = Path(os.environ.get("FSDP_DOCTOR_TRL_SITE", ROOT / ".venv" / "trl"))
 import torch.distributed as dist
 
 import fsdp_doctor
-from recorder_cases import _outcome, force_fsdp
+from recorder_cases import _outcome, trainer_fsdp
 from titan_cases import TITAN_SITE
 
 #: the case's optimizer steps (the doctor's profiler window: steps 6-7) and micro-batches a step
@@ -56,7 +56,6 @@ def sft_trainer(out: Path, callbacks: list):
     """TRL's SFTTrainer of llama_and_tokenizer()'s Llama on 256 texts of 20-60 WORDS, 4 sequences of at most 64
     tokens a micro-batch, MICRO micro-batches a step, sharded by the FSDP2 plugin the Trainer makes from
     ``fsdp_config`` (each decoder layer a unit)."""
-    from accelerate import FullyShardedDataParallelPlugin
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
 
@@ -70,10 +69,7 @@ def sft_trainer(out: Path, callbacks: list):
                                   "reshard_after_forward": True})
     tr = SFTTrainer(model=model, args=args, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tok,
                     callbacks=callbacks)
-    st = tr.accelerator.state  # (as on a GPU: the plugin from the arguments, the state FSDP)
-    st.fsdp_plugin = FullyShardedDataParallelPlugin(**args.fsdp_plugin_args)
-    force_fsdp(st)
-    tr.is_fsdp_enabled = True
+    trainer_fsdp(tr)
     return tr
 
 
@@ -106,7 +102,6 @@ def dpo_trainer(out: Path, ckpt: Path, callbacks: list, fix: str = ""):
     accelerator is FSDP from its start, as on a GPU, where DPOTrainer shards the reference in its __init__
     (trl.models.prepare_fsdp: one fully_shard call on the whole model). ``fix``: wrap.reference_one_unit's, run as
     printed with the policy built, its ``ref_model`` passed to the trainer."""
-    from accelerate import FullyShardedDataParallelPlugin
     from datasets import Dataset
     from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Trainer
     from trl import DPOConfig, DPOTrainer
@@ -125,9 +120,7 @@ def dpo_trainer(out: Path, ckpt: Path, callbacks: list, fix: str = ""):
 
     def as_on_a_gpu(self):  # (the state FSDP before the reference is prepared, in DPOTrainer.__init__)
         made(self)
-        self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-        force_fsdp(self.accelerator.state)
-        self.is_fsdp_enabled = True
+        trainer_fsdp(self)
 
     model = LlamaForCausalLM.from_pretrained(str(ckpt))
     kw = {}

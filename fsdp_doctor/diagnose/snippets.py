@@ -2157,7 +2157,7 @@ def _on_fsdp_modules(code: str) -> list[str] | None:
 def _on_self(code: str) -> list[str]:
     """``code``'s lines with the watched model, ``model``, as ``self`` (inside a LightningModule's method); comment
     lines as they were."""
-    return _renamed(code, {ROOT: "self"})
+    return renamed(code, {ROOT: "self"})
 
 
 def _own_names(names) -> re.Pattern:
@@ -2171,7 +2171,7 @@ def _names(code: str, name: str) -> bool:
     return any(pattern.search(ln.split("#", 1)[0]) for ln in code.splitlines())
 
 
-def _renamed(code: str, names: dict[str, str]) -> list[str]:
+def renamed(code: str, names: dict[str, str]) -> list[str]:
     """``code``'s lines with each of ``names``' keys, a name of its own (not an attribute, not in a string), as its
     value; comment lines as they were."""
     pattern = _own_names(names)
@@ -2212,7 +2212,7 @@ def for_torchtune(rec, recipe: str) -> None:
         rec.text += (f" {said}shards the model in its _setup_model (training.shard_model): the lines go there, in your "
                      "copy of the recipe (tune cp), where the model is `model`.")
         return
-    lines = _renamed(rec.code, TORCHTUNE_LOOP_NAMES)
+    lines = renamed(rec.code, TORCHTUNE_LOOP_NAMES)
     if LAST_MICRO_BATCH in rec.inputs:
         head = lines[:1] if lines[0].startswith("#") else []  # (what the lines are for, said first)
         lines = [*head, *comment("torchtune's recipe steps the optimizer on every gradient_accumulation_steps-th "

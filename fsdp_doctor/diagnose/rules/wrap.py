@@ -4,7 +4,6 @@ the root never sharded, a unit mixing parameter dtypes)."""
 from __future__ import annotations
 
 import dataclasses
-import re
 import statistics
 from typing import Optional
 
@@ -1131,9 +1130,9 @@ class ReferenceOneUnit(Rule):
         cap = E.capacity_bytes(ctx)
         sev = "warning" if cap and whole >= REFERENCE_WHOLE_WARN_SHARE * cap else "info"
         blocks = sum(len(v) for v in conts.values())
-        plan = S.shard_plan(t, drop=("reshard_after_forward",))
-        plan = "\n".join(ln for ln in plan.splitlines() if not ln.startswith("# replaces your fully_shard"))
-        plan = re.sub(r"(?<![\w.])model(?=[.\[,)\s]|$)", "ref_model", plan, flags=re.M)
+        # the policy's plan on the reference (its header line, which says it replaces the user's calls, left out)
+        plan = "\n".join(ln for ln in S.renamed(S.shard_plan(t, drop=("reshard_after_forward",)),
+                                                  {S.ROOT: "ref_model"}) if S.BEFORE_SHARDING not in ln)
         code = ("from transformers import AutoModelForCausalLM\n\n"
                 "# TRL shards a reference it builds with one fully_shard call on the whole model, and leaves one "
                 "already sharded as it is: build it as TRL does (from the policy's checkpoint, in its dtype), its "
