@@ -270,6 +270,10 @@ TRAINER_DRIVER = "transformers.Trainer"
 # RunConfig.driver of a run torchtitan's own Trainer drove (python -m fsdp_doctor.titan): its loop is torchtitan's,
 # so a fix goes on its command line (or a Trainer subclass of the user's), never into a loop the user does not write
 TITAN_DRIVER = "torchtitan.Trainer"
+# RunConfig.driver of a run OLMo-core's Trainer drove (fsdp_doctor.olmo.DoctorCallback): its loop is its train
+# module's and its sharding its TransformerDataParallelConfig's, so a fix goes into the configs the user builds them
+# from, or after the train module is built (diagnose/snippets.for_olmo)
+OLMO_DRIVER = "olmo_core.Trainer"
 # RunConfig.driver of a run PyTorch Lightning's Trainer drove (the watched model a LightningModule attached to one):
 # a loop fix goes into its training_step, the last micro-batch said from the Trainer's accumulate_grad_batches
 # (diagnose/snippets.for_lightning)

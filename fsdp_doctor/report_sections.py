@@ -779,6 +779,10 @@ FIX_PLACES = {
     "torchtune_optimizer": "in your torchtune recipe's setup(), after self._optimizer = self._setup_optimizer(...)",
     "torchtune_recipe": "in your torchtune recipe (your copy of it, tune cp), where the code's comments say",
     "torchtune_config": "in your torchtune config: the YAML tune run --config reads, or KEY=VALUE after it",
+    # where OLMo-core's Trainer drove the run (snippets.for_olmo): the config its train module is built from, or
+    # that train module once built (it holds the sharded model and the optimizer)
+    "olmo_config": "in your OLMo-core configs, before train_module_config.build(model)",
+    "olmo_built": "after train_module = train_module_config.build(model), before trainer.fit()",
 }
 #: what a fix's code is, by where it goes, where it is not Python
 FIX_LANGUAGES = {"torchtitan": "command line", "torchtune_config": "YAML", "launch_env": "shell"}

@@ -71,6 +71,9 @@ def diagnose(run, report, skipped: list[str] | None = None,
     if E.titan_trainer_driven(ctx):  # ... and where a user of torchtitan's own Trainer can
         for f in out:
             S.for_titan_trainer(f.recommendation, f.code, E.torchtitan_version(ctx) or "")
+    if E.olmo_driven(ctx):  # ... and where a user of OLMo-core's Trainer can: its configs, its built train module
+        for f in out:
+            S.for_olmo(f.recommendation, f.code, getattr(ctx.config, "optimizer", None) or "", S.tree(ctx))
     if (recipe := E.torchtune_recipe(ctx)) is not None:  # ... and into a torchtune recipe's copy
         for f in out:
             S.for_torchtune(f.recommendation, recipe)

@@ -19,7 +19,7 @@ import msgspec
 from ..analyze.memory import recompute_held
 from ..analyze.steps import (SHIFT_MIN_SEPARATION, STRAGGLER_MIN_CONSISTENCY, late_straggler, profiled_saves,
                              read_on_straggler as read_on_late, unit_modules, unit_passes)
-from ..records import (LIGHTNING_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TORCHTUNE_DRIVER, TRAINER_DRIVER,
+from ..records import (LIGHTNING_DRIVER, OLMO_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TORCHTUNE_DRIVER, TRAINER_DRIVER,
                        TRANSFORMERS_SHARDER, UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
@@ -237,6 +237,12 @@ def titan_trainer_driven(ctx: Context) -> bool:
     """torchtitan's own Trainer drove the run (python -m fsdp_doctor.titan): its fixes go on its command line or
     in the user's config_registry function (snippets.for_titan_trainer)."""
     return getattr(ctx.config, "driver", None) == TITAN_DRIVER
+
+
+def olmo_driven(ctx: Context) -> bool:
+    """OLMo-core's Trainer drove the run (fsdp_doctor.olmo.DoctorCallback): its fixes go into the configs it builds
+    the train module from, or after that build (snippets.for_olmo)."""
+    return getattr(ctx.config, "driver", None) == OLMO_DRIVER
 
 
 def torchtune_recipe(ctx: Context) -> Optional[str]:

@@ -1795,6 +1795,169 @@ def for_titan_trainer(rec, finding: str, version: str) -> None:
     rec.inputs = {"config": "the Trainer.Config your config_registry function returns (the --module/--config you run)"}
 
 
+#: OLMo-core's names where a fix goes into a run its Trainer drove: the train module it built (the model and the
+#: optimizer it holds) and the config the user builds it from (``Recommendation.inputs``)
+OLMO_NAMES = {ROOT: "train_module.model", "optimizer": "train_module.optim"}
+OLMO_CONFIG_INPUT = {"train_module_config": "your TransformerTrainModuleConfig, before its build(model) (config."
+                                            "train_module in OLMo-core's example scripts)"}
+#: what a fix's text adds where it goes on the built train module (place "olmo_built")
+OLMO_BUILT = (" OLMo-core's train module shards the model and builds the optimizer when it is built: the lines go "
+              "after train_module = train_module_config.build(model), before trainer.fit(), where the model is "
+              "train_module.model and the optimizer train_module.optim.")
+#: ... and where OLMo-core has no place for it (its loop is its train module's train_batch, its sharding its
+#: Transformer.apply_fsdp)
+OLMO_ELSEWHERE = (" OLMo-core's train module runs the loop (its train_batch) and shards the model (Transformer."
+                  "apply_fsdp, from TransformerDataParallelConfig): this code has no place in your configs; make the "
+                  "change in a subclass of the train module or of the model.")
+
+
+def _olmo_setting(head: str, lines: list[str], override: str) -> str:
+    """A fix that is settings of the user's train-module config, with their command-line form for OLMo-core's
+    example scripts (which merge ``--key=value`` overrides into their config)."""
+    return "\n".join([*comment(f"{head}: set on your train module's config before train_module_config.build(model) "
+                               f"(in OLMo-core's example scripts, {override} on the command line)"), *lines])
+
+
+def olmo_prefetch() -> str:
+    """prefetch.exposed_allgather's fix as OLMo-core's setting: Transformer.apply_fsdp sets each block to prefetch
+    the next ``prefetch_factor`` blocks in forward (the last block the LM head), from its data-parallel config."""
+    return _olmo_setting("each block prefetches the next in forward",
+                         ["train_module_config.dp_config.prefetch_factor = 1"],
+                         "--train_module.dp_config.prefetch_factor=1")
+
+
+#: the head of a loop fix run before each micro-batch by OLMo-core's train module, which runs each inside its
+#: _train_microbatch_context (on FSDP it sets only set_is_last_backward there: every micro-batch reduce-scatters and
+#: reshards). The method it wraps is bound as a default, so that two such fixes pasted one after the other nest.
+_OLMO_MICRO_BATCH = """\
+import contextlib
+
+# OLMo-core's train module runs each micro-batch inside this method of its own
+# (private; OLMo-core 3.0.0): wrapped, the lines run before each micro-batch
+@contextlib.contextmanager
+def before_micro_batch(micro_batch_idx, num_micro_batches,
+                       inner=train_module._train_microbatch_context):
+    is_last_micro_batch = micro_batch_idx == num_micro_batches - 1
+{body}
+    with inner(micro_batch_idx, num_micro_batches):
+        yield
+
+
+train_module._train_microbatch_context = before_micro_batch"""
+_MODEL_CALL = re.compile(rf"^{ROOT}\.\w+\(.*\)$")
+
+
+def olmo_micro_batch(code: str) -> Optional[str]:
+    """A loop fix keyed to the last micro-batch (its lines calls on the model, before each micro-batch's backward)
+    run where OLMo-core's train module starts each micro-batch; None for any other code."""
+    lines = [ln for ln in code.splitlines() if ln.strip()]
+    if not any(_MODEL_CALL.match(ln) for ln in lines) or not all(
+            _MODEL_CALL.match(ln) or ln.startswith("#") for ln in lines):
+        return None
+    return complete(_OLMO_MICRO_BATCH.format(body=textwrap.indent("\n".join(renamed(code, OLMO_NAMES)), " " * 4)))
+
+
+
+def _olmo_ac(rec, finding: str, t: Tree) -> bool:
+    """ac.recommended's fix (the modules it checkpoints: its ``names``, ``blocks`` where it wraps them in place) or
+    ac.unneeded's (the checkpoint wrappers it turns off), as OLMo-core's ac_config over the modules the run
+    checkpointed (``t``'s wrapped modules) and those: True where it made it so."""
+    wrapped = sorted({m.split(_CKPT)[0] for m in t.module_names() if _CKPT in m})
+    conts = t.containers()
+    blocks = [m for u in t.non_root() for m in map(strip_ckpt, u.modules) if container_of(m, conts) is not None
+              and block_of(m) == m]
+    if finding == "ac.recommended" and (names := _listed(rec.code, "names") or _listed(rec.code, "blocks")):
+        modules, said = sorted(set(wrapped) | {strip_ckpt(n) for n in names}), "checkpoints"
+    elif finding == "ac.unneeded" and (wrappers := _listed(rec.code, "wrappers")) is not None:
+        modules = [m for m in wrapped if m not in wrappers]
+        said = "checkpoints" if modules else "turns off checkpointing of"
+    else:
+        return False
+    rec.code = complete(olmo_checkpointing(modules, blocks), define_mesh=False)
+    rec.where, rec.inputs = "olmo_config", dict(OLMO_CONFIG_INPUT)
+    rec.text += (f" OLMo-core's train module {said} the modules its ac_config names before it shards the model: the "
+                 "setting replaces your train module's ac_config.")
+    return True
+
+
+def _listed(code: str, var: str) -> Optional[list[str]]:
+    """The strings of the list a snippet assigns to ``var`` (``names = ['blocks.0', ...]``), None where it has none."""
+    try:
+        tree_ = ast.parse(code)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree_):
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == [var]:
+            try:
+                value = ast.literal_eval(node.value)
+            except ValueError:
+                return None
+            return [str(v) for v in value] if isinstance(value, list) else None
+    return None
+
+
+def olmo_checkpointing(modules: list[str], blocks: list[str]) -> str:
+    """Activation checkpointing on exactly ``modules`` (fqns in the model) as OLMo-core's setting, which wraps them
+    before sharding: every block (``blocks``) is its "full" mode, any other set its "selected_modules" (fnmatch
+    patterns: each name matches itself only); none, its ac_config off."""
+    if not modules:
+        return _olmo_setting("activation checkpointing off", ["train_module_config.ac_config = None"],
+                             "--train_module.ac_config=null")
+    if set(modules) == set(blocks):
+        args, said = "mode='full'", "{mode: full}"
+    else:
+        args = f"mode='selected_modules',\n    modules={modules!r}"
+        said = f"{{mode: selected_modules, modules: [{', '.join(modules)}]}}"
+    head = "every block" if set(modules) == set(blocks) else ", ".join(modules)
+    return _olmo_setting(f"activation checkpointing on {head}",
+                         ["from olmo_core.train.train_module import (",
+                          "    TransformerActivationCheckpointingConfig)",
+                          f"train_module_config.ac_config = TransformerActivationCheckpointingConfig(\n    {args})"],
+                         f"--train_module.ac_config='{said}'")
+
+
+def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -> None:
+    """A fix of a run OLMo-core's Trainer drove (``Recommendation``, changed in place; ``optimizer``: the recorded
+    optimizer's class). A new-user trial (OLMo-core 3.0.0's olmo2 model, 2 gloo ranks) read ``model.
+    set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop" where the train module runs the loop,
+    and prefetch code for fully_shard calls its Transformer.apply_fsdp makes. A finding with a setting in the train
+    module's config gets it (prefetch, the fused optimizer); the micro-batches' gradient sync wraps the train module's
+    micro-batch context; a fix for the sharded model or its optimizer goes after the train module is built, where
+    they are train_module.model and train_module.optim; any other fix (a plan in place of the sharding, a loop
+    edit) says where such a change goes."""
+    if finding == "prefetch.exposed_allgather" and "set_modules_to_forward_prefetch" in rec.code:
+        rec.code, rec.where, rec.inputs = olmo_prefetch(), "olmo_config", dict(OLMO_CONFIG_INPUT)
+        rec.text += (" OLMo-core's Transformer.apply_fsdp sets the forward prefetch from your data-parallel config's "
+                     "prefetch_factor (each block the next, the last block the LM head); backward keeps FSDP2's "
+                     "own prefetch.")
+        return
+    if finding == "optim.unfused_step" and optimizer in ("Adam", "AdamW"):  # (its config's word beside the code)
+        rec.text += (f" OLMo-core builds the optimizer from your train module's config: fused=True on its "
+                     f"{optimizer}Config does the same from the start (--train_module.optim.fused=true on the "
+                     "command line of OLMo-core's example scripts).")
+    if t is not None and _olmo_ac(rec, finding, t):
+        return
+    if rec.where == "unsharded" and (strategy := olmo_strategy(rec.code)) is not None:
+        rec.code, rec.where, rec.inputs = olmo_wrapping(strategy), "olmo_config", dict(OLMO_CONFIG_INPUT)
+        rec.text += (f" OLMo-core's Transformer.apply_fsdp shards the model from your data-parallel config: its "
+                     f"'{strategy}' wrapping strategy makes these units.")
+        return
+    if LAST_MICRO_BATCH in rec.inputs and (code := olmo_micro_batch(rec.code)) is not None:
+        rec.code, rec.where, rec.inputs = code, "olmo_built", {}
+        rec.text += (" OLMo-core's train module runs the micro-batches of each step in its train_batch and has no "
+                     "setting for this: the lines wrap its micro-batch context (a private method of OLMo-core's, "
+                     "checked on 3.0.0) after train_module = train_module_config.build(model), before trainer.fit().")
+        return
+    if not rec.code or rec.where in ("olmo_config", "olmo_built", "evaluation", "startup"):
+        return
+    if rec.where in ("sharded", "optimizer", "model") and not _REBINDS.search(rec.code):
+        rec.code = "\n".join(renamed(calls_words(rec.code, OLMO_CALLS), OLMO_NAMES))
+        rec.where = "olmo_built"
+        rec.text += OLMO_BUILT
+        return
+    rec.text += OLMO_ELSEWHERE
+
+
 def lacks_reshard_switch(config) -> bool:
     """This run's torch has no ``FSDPModule.set_reshard_after_forward`` (torch 2.6): a fix that calls it on the
     sharded model raises AttributeError when pasted (a new-user trial on torch 2.6); its lever is the
@@ -1827,6 +1990,9 @@ PLUGIN_CALLS = ((RESHARD_IN_CALLS, f"# (accelerate's plugin's reshard_after_forw
                 (RESHARD_IN_CALL, f"(accelerate's plugin's reshard_after_forward is {_PLUGIN_TAIL})"))
 TITAN_CALLS = ((RESHARD_IN_CALLS, "# (torchtitan's --parallelism.fsdp-reshard-after-forward is every unit's)"),
                (RESHARD_IN_CALL, "(torchtitan's --parallelism.fsdp-reshard-after-forward is every unit's)"))
+#: ... where OLMo-core's Transformer.apply_fsdp made the fully_shard calls
+OLMO_CALLS = ((RESHARD_IN_CALLS, "# (OLMo-core's apply_fsdp reshards every block after forward: it has no setting)"),
+              (RESHARD_IN_CALL, "(OLMo-core's apply_fsdp reshards every block after forward: it has no setting)"))
 
 
 def calls_words(code: str, words) -> str:

@@ -239,6 +239,9 @@ def fixes_note(findings) -> str:
     # (a torchtune recipe's fixes name its own `model` in _setup_model and `self._model` in train())
     if not python or all(w.startswith("torchtune_") for w in python):
         return ""
+    if all(w.startswith("olmo_") for w in python):  # (an OLMo-core run's: its train module and that one's config)
+        return ("The fixes call your OLMo-core train module `train_module` and its config `train_module_config`: "
+                "rename them to yours where you paste.")
     return ("The fixes call your model `model` and your optimizer `optimizer`: rename them "
             "to yours where you paste.")
 
