@@ -12,7 +12,7 @@ TORCH_PIN ?= torch==2.13.0
 COMPAT_DIR   ?= $(HOME)/.cache/fsdp_doctor/compat
 COMPAT_TORCH ?= 2.6.0 2.15.0
 
-.PHONY: setup titan-site trl-site demo test test-long test-fast test-compat test-gpu gpu-wheels gpu-campaign gpu-rehearsal browser-deps clean plotlyjs-basic
+.PHONY: setup titan-site trl-site olmo-site demo test test-long test-fast test-compat test-gpu gpu-wheels gpu-campaign gpu-rehearsal browser-deps clean plotlyjs-basic
 
 setup: $(STAMP)
 
@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml
 	@echo "setup: 2/4 installing fsdp-doctor[test] and its dependencies (dash, plotly, tensorboard, ...) ..."
 	@$(VPY) -m pip install -q --disable-pip-version-check -e ".[test]" 2>&1 | grep -v "^WARNING: Location" || true
 	@$(VPY) -c "import torch, fsdp_doctor, dash, msgspec, rich" || (echo "setup: install failed"; exit 1)
-	@echo "setup: 3/4 torchtitan $(TITAN_VERSION) and TRL $(TRL_VERSION) for the tests, each in its own folder ($(TITAN_SITE), $(TRL_SITE): on the tests' path only) ..."
-	@$(MAKE) -s titan-site trl-site
+	@echo "setup: 3/4 torchtitan $(TITAN_VERSION), TRL $(TRL_VERSION) and OLMo-core $(OLMO_VERSION) for the tests, each in its own folder (under $(VENV): on the tests' path only) ..."
+	@$(MAKE) -s titan-site trl-site olmo-site
 	@echo "setup: 4/4 plotly.js basic bundle for smaller HTML reports (optional) ..."
 	@$(MAKE) -s plotlyjs-basic
 	@touch $(STAMP)
@@ -56,6 +56,21 @@ trl-site:
 	  --target $(TRL_SITE) trl==$(TRL_VERSION) 2>&1 | grep -v "^WARNING: Location" || true
 	@PYTHONPATH=$(TRL_SITE):$(TITAN_SITE) $(VPY) -c "import trl; from trl import SFTTrainer" \
 	  || (echo "setup: TRL $(TRL_VERSION) does not import from $(TRL_SITE)"; exit 1)
+
+# OLMo-core, a real client of the tests (tests/olmo_cases.py: its Trainer), alike without dependencies resolved in a
+# folder of its own: what it imports beyond this venv (its cached_path's S3 and Google Cloud clients), pinned
+OLMO_VERSION := 3.0.0
+OLMO_SITE    := $(VENV)/olmo
+OLMO_PKGS    := ai2-olmo-core==$(OLMO_VERSION) cached-path==1.8.10 dataclass-extensions==0.5.0 bettermap==1.3.1 \
+                importlib_resources==7.1.0 boto3==1.44.18 botocore==1.44.18 s3transfer==0.19.3 jmespath==1.1.0 \
+                google-cloud-storage==3.17.2 google-api-core==2.44.0 google-auth==2.63.1 google-cloud-core==2.8.0 \
+                google-resumable-media==2.11.0 google-crc32c==1.9.0 googleapis-common-protos==1.76.0 \
+                proto-plus==1.29.0 protobuf==7.36.2 pyasn1==0.6.5 pyasn1-modules==0.4.2
+olmo-site:
+	@rm -rf $(OLMO_SITE) && $(VPY) -m pip install -q --disable-pip-version-check --no-deps \
+	  --target $(OLMO_SITE) $(OLMO_PKGS) 2>&1 | grep -v "^WARNING: Location" || true
+	@PYTHONPATH=$(OLMO_SITE) $(VPY) -W ignore -c "from olmo_core.train import TrainerConfig" 2>/dev/null \
+	  || (echo "setup: OLMo-core $(OLMO_VERSION) does not import from $(OLMO_SITE)"; exit 1)
 
 # The HTML report draws only bars and scatter traces: plotly.js's basic bundle (npm plotly.js-basic-dist-min,
 # the version plotly.py bundles) keeps it at ~1.3 MB instead of ~4.9 MB. Optional: without npm the full bundle is used.

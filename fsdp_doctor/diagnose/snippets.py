@@ -1858,6 +1858,34 @@ def olmo_micro_batch(code: str) -> Optional[str]:
 
 
 
+#: OLMo-core's wrapping strategies (TransformerDataParallelConfig.wrapping_strategy) that shard each block as one unit,
+#: by the modules its Transformer.apply_fsdp shards beside them and the root (untied embeddings: a tied pair stays in
+#: the root under every strategy), the fewest first; "fine_grained" also shards modules inside each block
+OLMO_STRATEGIES = {"blocks": {"model.embeddings"},
+                   "full": {"model.embeddings", "model.embedding_norm", "model.lm_head"}}
+_SHARDED = re.compile(r"\bfully_shard\(\s*([\w.]+)")
+_EACH_BLOCK = re.compile(r"^for (\w+) in model\.blocks\.(?:children|values)\(\):$", re.M)
+
+
+def olmo_strategy(plan: str) -> Optional[str]:
+    """The wrapping strategy of OLMo-core's that shards the model as a sharding ``plan`` does (its fully_shard
+    calls: each block in a loop over ``model.blocks``, the embedding and some of the modules beside the blocks, the
+    root last), or None where none does (a module the strategies never shard, a block's part, a block left out)."""
+    loops = set(_EACH_BLOCK.findall(plan))
+    named = set(_SHARDED.findall(plan)) - loops
+    if len(loops) != 1 or ROOT not in named:
+        return None
+    named.discard(ROOT)
+    return next((k for k, mods in OLMO_STRATEGIES.items() if "model.embeddings" in named <= mods), None)
+
+
+def olmo_wrapping(strategy: str) -> str:
+    """A wrapping strategy of OLMo-core's as its train module's setting."""
+    return _olmo_setting(f"OLMo-core's '{strategy}' wrapping",
+                         [f"train_module_config.dp_config.wrapping_strategy = '{strategy}'"],
+                         f"--train_module.dp_config.wrapping_strategy={strategy}")
+
+
 def _olmo_ac(rec, finding: str, t: Tree) -> bool:
     """ac.recommended's fix (the modules it checkpoints: its ``names``, ``blocks`` where it wraps them in place) or
     ac.unneeded's (the checkpoint wrappers it turns off), as OLMo-core's ac_config over the modules the run

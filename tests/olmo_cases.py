@@ -1,0 +1,120 @@
+"""OLMo-core, a real client of the tests: its Trainer (AI2's FSDP2 training library: its train module shards the
+model in Transformer.apply_fsdp from TransformerDataParallelConfig and runs the micro-batches itself) recorded with
+fsdp_doctor.olmo.DoctorCallback, on gloo ranks, as its users attach it (``trainer.add_callback``).
+
+OLMo-core is installed with what it imports, torch aside, into a folder of its own (Makefile: OLMO_SITE) that only
+these ranks put on their path. The model: its olmo2 family (``TransformerConfig.olmo2_30M``, 4 blocks, vocabulary
+2,000 padded to 2,048), sequences of 128 tokens from a file of seeded random tokens, 4 sequences a micro-batch on each
+rank, 2 micro-batches a step (16 sequences a global batch), AdamW, gradient clipping.
+
+A case: ``python tests/olmo_cases.py CASE RANK WORLD PORT OUT`` (tests/test_olmo.py launches it), then
+``CASE_fixed`` in the same OUT: each RESULT is the run's outcome (recorder_cases._outcome) and a digest of the trained
+parameters, the second run's with the fixes the first's diagnosis printed pasted where they say: the config settings
+before the train module is built (``train_module_config``), the rest after (``train_module``)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+#: where `make setup` installs OLMo-core (Makefile: OLMO_SITE)
+OLMO_SITE = Path(os.environ.get("FSDP_DOCTOR_OLMO_SITE", ROOT / ".venv" / "olmo"))
+
+import torch.distributed as dist
+
+from recorder_cases import _outcome
+
+#: optimizer steps a run (the doctor's profiler window: steps 6-7), sequence length, micro-batches a step
+STEPS, SEQ, MICRO = 10, 128, 2
+#: each case's OLMo-core settings (train()'s); it runs as "CASE", then as "CASE_fixed" with the first run's fixes
+CASES = {
+    # the default wrapping (each block, the embedding and the LM head): the accumulation, prefetch and optimizer fixes
+    "full": {},
+    # blocks only (the LM head left in the root) under a budget below the peak: wrapping and checkpointing fixes
+    "blocks_tight": {"wrap": "blocks", "capacity_mib": 100},
+    # every block checkpointed with room to spare: checkpointing off, and the micro-batches' regather and ZeRO-2
+    "ac_loose": {"ac": "full", "capacity_mib": 400},
+}
+
+
+def tokens_file(out: Path) -> Path:
+    """400,000 seeded random tokens in [2, 2000), as OLMo-core's numpy datasets read them (uint16), written once."""
+    import numpy as np
+
+    path = out / "tokens.npy"
+    if dist.get_rank() == 0 and not path.exists():
+        np.random.default_rng(0).integers(2, 2000, size=400_000, dtype=np.uint16).tofile(path)
+    dist.barrier()
+    return path
+
+
+def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capacity_mib: float | None = None,
+          cfg_fix: str = "", built_fix: str = "") -> float:
+    """One OLMo-core run recorded into ``out/name``, ``cfg_fix`` run with its train module's config built and
+    ``built_fix`` with the train module built (each as a user pastes it); returns the digest of the trained
+    parameters (the sum of every full parameter, in float64)."""
+    import torch
+    from olmo_core.config import DType
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.distributed.parallel import DataParallelType
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.train_module import (TransformerActivationCheckpointingConfig,
+                                              TransformerDataParallelConfig, TransformerTrainModuleConfig)
+    from olmo_core.utils import seed_all
+
+    from fsdp_doctor.olmo import DoctorCallback
+
+    seed_all(0)
+    tok = TokenizerConfig(vocab_size=2000, eos_token_id=1, pad_token_id=0)
+    model = TransformerConfig.olmo2_30M(vocab_size=tok.padded_vocab_size()).build(init_device="meta")
+    train_module_config = TransformerTrainModuleConfig(
+        rank_microbatch_size=4 * SEQ, max_sequence_length=SEQ, optim=AdamWConfig(lr=1e-3), max_grad_norm=1.0,
+        dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp, reduce_dtype=DType.float32,
+                                                wrapping_strategy=wrap),
+        ac_config=TransformerActivationCheckpointingConfig(mode=ac) if ac else None)
+    exec(compile(cfg_fix, "<the doctor's config fixes>", "exec"), {"train_module_config": train_module_config})
+    train_module = train_module_config.build(model)
+    exec(compile(built_fix, "<the doctor's fixes after the build>", "exec"), {"train_module": train_module})
+    dataset = NumpyFSLDatasetConfig(paths=[str(tokens_file(out))], sequence_length=SEQ, tokenizer=tok,
+                                    work_dir=str(out / "work")).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=8 * MICRO * SEQ, seed=0, num_workers=0).build(
+        dataset, dp_process_group=train_module.dp_process_group)
+    trainer = TrainerConfig(save_folder=str(out / f"save_{name}"), save_overwrite=True,
+                            max_duration=Duration.steps(STEPS), metrics_collect_interval=5,
+                            cancel_check_interval=5).build(train_module, loader)
+    options = {"capacity_bytes": int(capacity_mib * 2**20)} if capacity_mib else {}
+    trainer.add_callback("fsdp_doctor", DoctorCallback(out_dir=str(out / name), **options))
+    trainer.fit()
+    return sum(float(p.full_tensor().double().sum()) for p in train_module.model.parameters())
+
+
+def fixes(findings: dict, where: str) -> str:
+    """The printed fixes of ``findings`` that go ``where`` ("olmo_config", "olmo_built"), one after the other."""
+    return "\n\n".join(f["code"] for f in findings.values() if f["where"] == where)
+
+
+def run_case(name: str, out: Path) -> dict:
+    """One run of a case (CASES) in ``out``: "CASE" as it is, "CASE_fixed" (launched after it, in a process of its own:
+    OLMo-core builds one world mesh a process) with every fix of CASE's diagnosis pasted where it says. Returns
+    the run's outcome and parameter digest."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    case = name.removesuffix("_fixed")
+    found = _outcome(out / case, rank)["findings"] if name != case else {}
+    digest = train(out, name, **CASES[case], cfg_fix=fixes(found, "olmo_config"), built_fix=fixes(found, "olmo_built"))
+    dist.barrier()
+    return {"digest": digest, **_outcome(out / name, rank)}
+
+
+CLIENTS = {name: (lambda out, name=name: run_case(name, out)) for case in CASES for name in (case, f"{case}_fixed")}
+
+
+if __name__ == "__main__":
+    sys.path[:0] = [str(OLMO_SITE)]  # (the rank processes only: the test process never imports olmo_core)
+    from clients import main
+
+    sys.exit(main(sys.argv[1:], CLIENTS))
