@@ -6,7 +6,8 @@
             doctor.step()
 
 or, with a Hugging Face ``Trainer``: ``Trainer(..., callbacks=[fsdp_doctor.DoctorCallback(out_dir="traces/run1")])``;
-with torchtitan's Trainer: ``torchrun ... -m fsdp_doctor.titan --module llama3 --config ...`` (fsdp_doctor.titan).
+with torchtitan's Trainer: ``torchrun ... -m fsdp_doctor.titan --module llama3 --config ...`` (fsdp_doctor.titan);
+with OLMo-core's Trainer: ``trainer.add_callback("fsdp_doctor", fsdp_doctor.olmo.DoctorCallback(out_dir=...))``.
 
 Data flows one way: record (fsdp_doctor.record) -> store (fsdp_doctor.store) -> analyze
 (fsdp_doctor.analyze, fsdp_doctor.trace) -> diagnose (fsdp_doctor.diagnose) -> present (fsdp_doctor.present).

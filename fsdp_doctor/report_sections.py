@@ -783,6 +783,7 @@ FIX_PLACES = {
     # that train module once built (it holds the sharded model and the optimizer)
     "olmo_config": "in your OLMo-core configs, before train_module_config.build(model)",
     "olmo_built": "after train_module = train_module_config.build(model), before trainer.fit()",
+    "olmo_trainer": "after trainer = trainer_config.build(train_module, data_loader), before trainer.fit()",
 }
 #: what a fix's code is, by where it goes, where it is not Python
 FIX_LANGUAGES = {"torchtitan": "command line", "torchtune_config": "YAML", "launch_env": "shell"}

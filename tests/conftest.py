@@ -50,7 +50,8 @@ LONG_FILES = frozenset({"test_titan.py", "test_titan_trainer.py", "test_untraine
                         "test_wrap_forwardless_container.py",
                         "test_outside_unit_call.py", "test_compile_steps.py", "test_backward_gather_wait.py",
                         "test_unshard_in_backward.py", "test_checkpoint_detection.py",
-                        "test_trl.py"})  # (2 real runs of TRL's SFTTrainer)
+                        "test_trl.py",  # (2 real runs of TRL's SFTTrainer)
+                        "test_olmo.py"})  # (3 cases of OLMo-core's Trainer, each run twice)
 
 
 def pytest_collection_modifyitems(config, items):

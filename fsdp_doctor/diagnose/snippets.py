@@ -1857,7 +1857,6 @@ def olmo_micro_batch(code: str) -> Optional[str]:
     return complete(_OLMO_MICRO_BATCH.format(body=textwrap.indent("\n".join(renamed(code, OLMO_NAMES)), " " * 4)))
 
 
-
 #: OLMo-core's wrapping strategies (TransformerDataParallelConfig.wrapping_strategy) that shard each block as one unit,
 #: by the modules its Transformer.apply_fsdp shards beside them and the root (untied embeddings: a tied pair stays in
 #: the root under every strategy), the fewest first; "fine_grained" also shards modules inside each block
@@ -1944,15 +1943,52 @@ def olmo_checkpointing(modules: list[str], blocks: list[str]) -> str:
                          f"--train_module.ac_config='{said}'")
 
 
+#: what checkpoint.blocking's text adds where OLMo-core's Trainer saved
+OLMO_CHECKPOINTER = (" OLMo-core's Trainer saves from its checkpointer callback (CheckpointerCallback: save_interval, "
+                     "ephemeral_save_interval, save_async), which the lines set on the built Trainer.")
+
+
+def olmo_checkpointer(every: Optional[int]) -> str:
+    """checkpoint.blocking's fix on OLMo-core's built Trainer: its checkpointer callback saving at most every
+    ``every`` steps (its permanent and ephemeral intervals), or (``every`` None) asynchronously."""
+    if every is None:
+        head, body = "OLMo-core's checkpointer: asynchronous saves", ["        callback.save_async = True"]
+    else:
+        head = f"OLMo-core's checkpointer: a save every {every} steps at the most often"
+        body = [f"        callback.save_interval = max(callback.save_interval, {every})",
+                "        if callback.ephemeral_save_interval:",
+                "            callback.ephemeral_save_interval = max(",
+                f"                callback.ephemeral_save_interval, {every})"]
+    return complete("\n".join([f"# {head}", "from olmo_core.train.callbacks import CheckpointerCallback", "",
+                               "for callback in trainer.callbacks.values():",
+                               "    if isinstance(callback, CheckpointerCallback):", *body]), define_mesh=False)
+
+
+_POLICY_DTYPE = re.compile(r"\bparam_dtype=torch\.(\w+)")
+#: the fixes that set a dtype of the train module's FSDP policy (TransformerDataParallelConfig's param_dtype and
+#: reduce_dtype, OLMo-core's DType): finding -> (the setting's lines, its command line), by the dtype the fix's
+#: policy gathers in
+OLMO_DTYPES = {
+    "numerics.reduce_dtype": lambda dt: (["train_module_config.dp_config.reduce_dtype = DType.float32"],
+                                         "--train_module.dp_config.reduce_dtype=float32"),
+    # (autocast then has nothing to cast: its own setting off)
+    "precision.autocast_fp32_params": lambda dt: ([f"train_module_config.dp_config.param_dtype = DType.{dt}",
+                                                   "train_module_config.autocast_precision = None"],
+                                                  f"--train_module.dp_config.param_dtype={dt} "
+                                                  "--train_module.autocast_precision=null"),
+}
+
+
 def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -> None:
     """A fix of a run OLMo-core's Trainer drove (``Recommendation``, changed in place; ``optimizer``: the recorded
-    optimizer's class). A new-user trial (OLMo-core 3.0.0's olmo2 model, 2 gloo ranks) read ``model.
-    set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop" where the train module runs the loop,
-    and prefetch code for fully_shard calls its Transformer.apply_fsdp makes. A finding with a setting in the train
-    module's config gets it (prefetch, the fused optimizer); the micro-batches' gradient sync wraps the train module's
-    micro-batch context; a fix for the sharded model or its optimizer goes after the train module is built, where
-    they are train_module.model and train_module.optim; any other fix (a plan in place of the sharding, a loop
-    edit) says where such a change goes."""
+    optimizer's class; ``t``: the run's module tree). A new-user trial (OLMo-core 3.0.0's olmo2 model, 2 gloo ranks)
+    read ``model.set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop", where the train module
+    runs the loop, and code "after your fully_shard calls", which its Transformer.apply_fsdp makes. A fix that is a
+    setting of the train module's config becomes it (the forward prefetch, the wrapping strategy, the checkpointed
+    modules); a loop fix keyed to the last micro-batch wraps the train module's micro-batch context; a fix for the
+    sharded model or its optimizer goes after the train module is built, where they are train_module.model and
+    train_module.optim (the fused optimizer's also names its config's setting); any other (a plan no strategy
+    makes, another loop edit) says where such a change goes."""
     if finding == "prefetch.exposed_allgather" and "set_modules_to_forward_prefetch" in rec.code:
         rec.code, rec.where, rec.inputs = olmo_prefetch(), "olmo_config", dict(OLMO_CONFIG_INPUT)
         rec.text += (" OLMo-core's Transformer.apply_fsdp sets the forward prefetch from your data-parallel config's "
@@ -1963,9 +1999,18 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
         rec.text += (f" OLMo-core builds the optimizer from your train module's config: fused=True on its "
                      f"{optimizer}Config does the same from the start (--train_module.optim.fused=true on the "
                      "command line of OLMo-core's example scripts).")
+    if finding in OLMO_DTYPES and (dt := _POLICY_DTYPE.search(rec.code)):  # (its policy's line: the dtype)
+        lines, override = OLMO_DTYPES[finding](dt.group(1))
+        rec.code = _olmo_setting("the train module's FSDP policy", ["from olmo_core.config import DType", *lines],
+                                 override)
+        rec.code, rec.where, rec.inputs = complete(rec.code, define_mesh=False), "olmo_config", dict(OLMO_CONFIG_INPUT)
+        rec.text += (" OLMo-core's Transformer.apply_fsdp makes the policy from your data-parallel config (param_dtype, "
+                     "reduce_dtype).")
+        return
     if t is not None and _olmo_ac(rec, finding, t):
         return
-    if rec.where == "unsharded" and (strategy := olmo_strategy(rec.code)) is not None:
+    # (a wrapping rule's plan: another's, a mixed-precision policy's, changes more than the units)
+    if finding.startswith("wrap.") and rec.where == "unsharded" and (strategy := olmo_strategy(rec.code)):
         rec.code, rec.where, rec.inputs = olmo_wrapping(strategy), "olmo_config", dict(OLMO_CONFIG_INPUT)
         rec.text += (f" OLMo-core's Transformer.apply_fsdp shards the model from your data-parallel config: its "
                      f"'{strategy}' wrapping strategy makes these units.")
@@ -1976,7 +2021,7 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
                      "setting for this: the lines wrap its micro-batch context (a private method of OLMo-core's, "
                      "checked on 3.0.0) after train_module = train_module_config.build(model), before trainer.fit().")
         return
-    if not rec.code or rec.where in ("olmo_config", "olmo_built", "evaluation", "startup"):
+    if not rec.code or rec.where in ("olmo_config", "olmo_built", "olmo_trainer", "evaluation", "startup"):
         return
     if rec.where in ("sharded", "optimizer", "model") and not _REBINDS.search(rec.code):
         rec.code = "\n".join(renamed(calls_words(rec.code, OLMO_CALLS), OLMO_NAMES))

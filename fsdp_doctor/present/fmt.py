@@ -240,8 +240,8 @@ def fixes_note(findings) -> str:
     if not python or all(w.startswith("torchtune_") for w in python):
         return ""
     if all(w.startswith("olmo_") for w in python):  # (an OLMo-core run's: its train module and that one's config)
-        return ("The fixes call your OLMo-core train module `train_module` and its config `train_module_config`: "
-                "rename them to yours where you paste.")
+        return ("The fixes call OLMo-core's objects as its example scripts do (`train_module_config`, `train_module`, "
+                "`trainer`): rename them to yours where you paste.")
     return ("The fixes call your model `model` and your optimizer `optimizer`: rename them "
             "to yours where you paste.")
 
