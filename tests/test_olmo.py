@@ -4,9 +4,11 @@ runs of each case, a process each)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from olmo_cases import OLMO_SITE, PASTED
+from olmo_cases import OLMO_SITE, PASTED, STEPS
 from test_clients import _launch
 
 #: how far a fixed run's trained parameters may drift from the run as is (the sum of every parameter): the fused
@@ -56,12 +58,12 @@ def test_olmo_fixes_go_into_its_train_module_and_work_as_printed(full_run):
     10% of the fixes' predictions added up and the trained parameters are the same to 1e-6."""
     for before, after in full_run:
         # its checkpointer's asynchronous saves at global steps 5 and 10 (the doctor's steps count from 0), timed; the
-        # fix on its checkpointer saves less often (none in 10 steps)
-        assert before["saved_steps"] == [4, 9] and after["saved_steps"] == [], (before["saved_steps"],
-                                                                                 after["saved_steps"])
+        # fix on its checkpointer saves every N steps (N by the host's timing)
+        assert before["saved_steps"] == [4, 9], before["saved_steps"]
         blocking = before["findings"]["checkpoint.blocking"]
-        assert blocking["where"] == "olmo_trainer" and "callback.save_interval = max(callback.save_interval," \
-            in blocking["code"], blocking
+        assert blocking["where"] == "olmo_trainer", blocking
+        every = int(re.search(r"callback\.save_interval = max\(callback\.save_interval, (\d+)\)", blocking["code"])[1])
+        assert every > 5 and after["saved_steps"] == list(range(every - 1, STEPS, every)), (every, after["saved_steps"])
         f = before["findings"]
         assert {"prefetch.sync_unshard", "accum.sync_every_micro_batch"} <= set(f), f.keys()
         for code in f:

@@ -1971,11 +1971,10 @@ _POLICY_DTYPE = re.compile(r"\bparam_dtype=torch\.(\w+)")
 OLMO_DTYPES = {
     "numerics.reduce_dtype": lambda dt: (["train_module_config.dp_config.reduce_dtype = DType.float32"],
                                          "--train_module.dp_config.reduce_dtype=float32"),
-    # (autocast then has nothing to cast: its own setting off)
-    "precision.autocast_fp32_params": lambda dt: ([f"train_module_config.dp_config.param_dtype = DType.{dt}",
-                                                   "train_module_config.autocast_precision = None"],
-                                                  f"--train_module.dp_config.param_dtype={dt} "
-                                                  "--train_module.autocast_precision=null"),
+    # (its autocast_precision kept, as the rule's own fix keeps the user's autocast: nothing left for its matmuls to
+    # cast, the operators it runs in float32 as before)
+    "precision.autocast_fp32_params": lambda dt: ([f"train_module_config.dp_config.param_dtype = DType.{dt}"],
+                                                  f"--train_module.dp_config.param_dtype={dt}"),
 }
 
 

@@ -32,7 +32,10 @@ class AutocastFp32Params(Rule):
         if not dtype:
             return self.quiet("no forward ran under torch.autocast")
         units = E.param_units(ctx)
-        units32 = [u for u in units if not u.param_dtype and "float32" in u.orig_dtypes]
+        # (gathered in float32: without a param_dtype, or with float32's, as OLMo-core's policy states its model's
+        # dtype: a new-user trial's autocast run read "every unit gathers ... in its param_dtype", float32)
+        units32 = [u for u in units if u.param_dtype == "float32"
+                   or (not u.param_dtype and "float32" in u.orig_dtypes)]
         if not units32:
             return self.quiet(f"the forward runs under torch.autocast({dtype}), and every unit gathers its "
                               "parameters in its MixedPrecisionPolicy's param_dtype")
