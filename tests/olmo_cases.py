@@ -32,8 +32,8 @@ from recorder_cases import _outcome
 STEPS, SEQ, MICRO = 10, 128, 2
 #: each case's OLMo-core settings (train()'s); it runs as "CASE", then as "CASE_fixed" with the first run's fixes
 CASES = {
-    # the default wrapping (each block, the embedding and the LM head), saving every 5 steps: the accumulation, prefetch
-    # and optimizer fixes
+    # the default wrapping (each block, the embedding and the LM head), saving every 5 steps (synchronously: see
+    # NOT_PASTED): the accumulation, prefetch and optimizer fixes
     "full": {"save_every": 5},
     # blocks only (the LM head left in the root) under a budget below the peak: wrapping and checkpointing fixes
     "blocks_tight": {"wrap": "blocks", "capacity_mib": 100},
@@ -43,6 +43,11 @@ CASES = {
 #: the findings whose fixes a case's second run pastes, where not all: under blocks_tight's budget the accumulation
 #: fix's unsharded gradients (+8.5 MiB) bring checkpointing back (a trial's peak, all pasted: 88.4 MiB of 100)
 PASTED = {"blocks_tight": ("wrap.params_in_root", "ac.recommended")}
+#: ... and those it leaves out: OLMo-core's asynchronous saves (checkpoint.blocking's fix for synchronous ones) hung
+#: at the end of a run now and then on these gloo ranks, with the doctor or without it (its last checkpoint written,
+#: the ranks idle); its interval fix was pasted in a trial (asynchronous saves every 5 steps: "every 7", then one save
+#: in 10 steps, at step 7)
+NOT_PASTED = {"full": ("checkpoint.blocking",)}
 
 
 def tokens_file(out: Path) -> Path:
@@ -57,12 +62,13 @@ def tokens_file(out: Path) -> Path:
 
 
 def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capacity_mib: float | None = None,
-          save_every: int | None = None, cfg_fix: str = "", built_fix: str = "", trainer_fix: str = "") -> float:
+          save_every: int | None = None, cfg_fix: str = "", built_fix: str = "", trainer_fix: str = "",
+          doctor: bool = True) -> tuple[float, list[str]]:
     """One OLMo-core run recorded into ``out/name``, ``cfg_fix`` run with its train module's config built and
     ``built_fix`` with the train module built, ``trainer_fix`` with the Trainer built (each as a user pastes it);
-    ``save_every``: its checkpointer's
-    (asynchronous) save interval, in steps (none: its default, a save before the first step and after the last).
-    Returns the digest of the trained parameters (the sum of every full parameter, in float64)."""
+    ``save_every``: its checkpointer's save interval, in steps (none: a save before the first step and after the
+    last alone), its saves synchronous (NOT_PASTED says why); ``doctor`` False: trained without the doctor. Returns the digest of the trained parameters (the sum of every
+    full parameter, in float64) and what the doctor left on the Trainer after training (its attributes)."""
     import torch
     from olmo_core.config import DType
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
@@ -76,6 +82,7 @@ def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capac
     from olmo_core.utils import seed_all
 
     from fsdp_doctor.olmo import DoctorCallback
+    from fsdp_doctor.record.olmo_trainer import SAVES
 
     seed_all(0)
     tok = TokenizerConfig(vocab_size=2000, eos_token_id=1, pad_token_id=0)
@@ -95,15 +102,16 @@ def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capac
     trainer_config = TrainerConfig(save_folder=str(out / f"save_{name}"), save_overwrite=True,
                                    max_duration=Duration.steps(STEPS), metrics_collect_interval=5,
                                    cancel_check_interval=5)
-    if save_every:
-        trainer_config = trainer_config.with_callback("checkpointer", CheckpointerCallback(save_interval=save_every,
-                                                                                           save_async=True))
+    trainer_config = trainer_config.with_callback("checkpointer", CheckpointerCallback(
+        save_interval=save_every or 100 * STEPS, save_async=False))
     trainer = trainer_config.build(train_module, loader)
     exec(compile(trainer_fix, "<the doctor's fixes on the Trainer>", "exec"), {"trainer": trainer})
     options = {"capacity_bytes": int(capacity_mib * 2**20)} if capacity_mib else {}
-    trainer.add_callback("fsdp_doctor", DoctorCallback(out_dir=str(out / name), **options))
+    if doctor:
+        trainer.add_callback("fsdp_doctor", DoctorCallback(out_dir=str(out / name), **options))
     trainer.fit()
-    return sum(float(p.full_tensor().double().sum()) for p in train_module.model.parameters())
+    left = [n for n in SAVES if n in vars(trainer)]  # (the save methods it wraps while it watches)
+    return sum(float(p.full_tensor().double().sum()) for p in train_module.model.parameters()), left
 
 
 def fixes(findings: dict, where: str) -> str:
@@ -114,21 +122,25 @@ def fixes(findings: dict, where: str) -> str:
 
 def run_case(name: str, out: Path) -> dict:
     """One run of a case (CASES) in ``out``: "CASE" as it is, "CASE_fixed" (launched after it, in a process of its own:
-    OLMo-core builds one world mesh a process) with every fix of CASE's diagnosis pasted where it says. Returns
-    the run's outcome and parameter digest."""
+    OLMo-core builds one world mesh a process) with every fix of CASE's diagnosis pasted where it says, "CASE_plain"
+    as it is without the doctor. Returns the run's outcome, parameter digest and what the doctor left on the
+    Trainer."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    case = name.removesuffix("_fixed")
+    case = name.removesuffix("_fixed").removesuffix("_plain")
+    if name.endswith("_plain"):  # (no doctor: the digest to compare)
+        return {"digest": train(out, name, **CASES[case], doctor=False)[0]}
     found = _outcome(out / case, rank)["findings"] if name != case else {}
-    found = {k: v for k, v in found.items() if k in PASTED.get(case, found)}
-    digest = train(out, name, **CASES[case], cfg_fix=fixes(found, "olmo_config"), built_fix=fixes(found, "olmo_built"),
-                   trainer_fix=fixes(found, "olmo_trainer"))
+    found = {k: v for k, v in found.items() if k in PASTED.get(case, found) and k not in NOT_PASTED.get(case, ())}
+    digest, left = train(out, name, **CASES[case], cfg_fix=fixes(found, "olmo_config"),
+                         built_fix=fixes(found, "olmo_built"), trainer_fix=fixes(found, "olmo_trainer"))
     dist.barrier()
     saved = [s.step for s in fsdp_doctor.load_run(out / name).ranks[rank].steps if s.checkpoint_ms]
-    return {"digest": digest, "saved_steps": saved, **_outcome(out / name, rank)}
+    return {"digest": digest, "left": left, "saved_steps": saved, **_outcome(out / name, rank)}
 
 
-CLIENTS = {name: (lambda out, name=name: run_case(name, out)) for case in CASES for name in (case, f"{case}_fixed")}
+CLIENTS = {name: (lambda out, name=name: run_case(name, out))
+           for case in CASES for name in (case, f"{case}_fixed", f"{case}_plain")}
 
 
 if __name__ == "__main__":

@@ -146,6 +146,11 @@ def test_fixes_without_a_setting_go_on_the_built_model_or_say_where():
     S.for_olmo(zero2, "reshard.zero2_affordable")
     assert zero2.where == "olmo_built" and S.RESHARD_IN_CALLS not in zero2.code, zero2.code
     assert "train_module.model.get_submodule('blocks.0')" in zero2.code and "apply_fsdp reshards" in zero2.code
+    compiled = Recommendation(text="", where="sharded", code=S.compile_code(S.Tree.of(_report()[0].config.units)))
+    S.for_olmo(compiled, "kernels.launch_bound")
+    assert compiled.code == "for block in train_module.model.blocks.children():\n    block.compile()  # in place, " \
+        "after fully_shard", compiled.code
+    assert "compile_model=True on your train module's config" in compiled.text, compiled.text
     loop = Recommendation(text="Log less.", where="loop", code="dist.all_reduce(total)")
     S.for_olmo(loop, "optim.step_comm")
     assert loop.code == "dist.all_reduce(total)" and loop.text == "Log less." + S.OLMO_ELSEWHERE, loop
@@ -167,3 +172,19 @@ def test_policy_dtype_fixes_are_its_data_parallel_config_dtypes():
     for rec in (reduce, cast):
         compile(rec.code, "fix", "exec")
         assert max(map(len, rec.code.splitlines())) <= 80, rec.code
+
+
+def test_the_callback_without_olmo_core_says_what_it_needs_in_one_line():
+    """fsdp_doctor.olmo imports without OLMo-core (every module of the recorder imports alone); building its callback
+    there fails at once, naming what is missing, before any training starts."""
+    import importlib.util
+
+    import pytest
+
+    if importlib.util.find_spec("olmo_core") is not None:
+        pytest.skip("OLMo-core is importable here")
+    from fsdp_doctor.olmo import DoctorCallback
+
+    with pytest.raises(ImportError, match=r"^fsdp_doctor.olmo.DoctorCallback is OLMo-core's Trainer callback: "
+                                          r"olmo_core does not import here \(No module named 'olmo_core'\)$"):
+        DoctorCallback(out_dir="unused")

@@ -1986,7 +1986,7 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
     setting of the train module's config becomes it (the forward prefetch, the wrapping strategy, the checkpointed
     modules); a loop fix keyed to the last micro-batch wraps the train module's micro-batch context; a fix for the
     sharded model or its optimizer goes after the train module is built, where they are train_module.model and
-    train_module.optim (the fused optimizer's also names its config's setting); any other (a plan no strategy
+    train_module.optim (the fused optimizer's and compiled blocks' also name its config's setting); any other (a plan no strategy
     makes, another loop edit) says where such a change goes."""
     if finding == "prefetch.exposed_allgather" and "set_modules_to_forward_prefetch" in rec.code:
         rec.code, rec.where, rec.inputs = olmo_prefetch(), "olmo_config", dict(OLMO_CONFIG_INPUT)
@@ -2006,6 +2006,9 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
         rec.text += (" OLMo-core's Transformer.apply_fsdp makes the policy from your data-parallel config (param_dtype, "
                      "reduce_dtype).")
         return
+    if finding == "kernels.launch_bound" and ".compile()" in rec.code:  # (its config's word beside the code)
+        rec.text += (" OLMo-core compiles each block and the LM head itself, before sharding, with compile_model=True "
+                     "on your train module's config (--train_module.compile_model=true).")
     if t is not None and _olmo_ac(rec, finding, t):
         return
     # (a wrapping rule's plan: another's, a mixed-precision policy's, changes more than the units)

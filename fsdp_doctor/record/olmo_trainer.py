@@ -8,8 +8,8 @@ OLMo-core owns the loop and shards the model itself (its train module's ``Transf
 train module's model and optimizer from ``pre_train`` (both built and sharded by then), calls ``doctor.step()`` at
 ``post_step`` (once per optimizer step: the train module runs the micro-batches inside it) and stops at
 ``post_train``, ``on_error`` or ``close``. Its priority is the lowest of the Trainer's callbacks, so a step ends
-after theirs (the garbage collector's scheduled collection, the speed monitor) and the Trainer's final checkpoint
-is inside the watch. The Trainer's checkpoint saves are timed as ``doctor.checkpointing()`` times one (an
+after theirs (the garbage collector's scheduled collection, the speed monitor); the checkpointer's save before the
+first step is made before the watch starts, its last one (at ``post_train``) after the last step. The Trainer's checkpoint saves are timed as ``doctor.checkpointing()`` times one (an
 asynchronous one: the staging the step waits for), by wrapping this Trainer's ``save_checkpoint`` and
 ``save_checkpoint_async`` while it watches; nothing of it remains on the Trainer after.
 
@@ -24,11 +24,16 @@ import functools
 import logging
 from typing import ClassVar
 
-from olmo_core.train.callbacks import Callback
-
 from ..records import OLMO_DRIVER
 from .options import WatchOptions
 from .tracker import Doctor, WatchError
+
+try:
+    from olmo_core.train.callbacks import Callback
+except ImportError as e:  # (the module imports without OLMo-core; the callback says what it needs when built)
+    Callback, _MISSING = object, e
+else:
+    _MISSING = None
 
 log = logging.getLogger("fsdp_doctor")
 #: the Trainer's methods that save a checkpoint (the asynchronous one returns once the state is staged)
@@ -51,6 +56,9 @@ class DoctorCallback(Callback):
     priority: ClassVar[int] = -1000  # (the Trainer runs its callbacks highest priority first: this one last)
 
     def __init__(self, out_dir, **options):
+        if _MISSING is not None:
+            raise ImportError(f"fsdp_doctor.olmo.DoctorCallback is OLMo-core's Trainer callback: olmo_core does not "
+                              f"import here ({_MISSING})")
         self.options = WatchOptions.from_kwargs({"out_dir": out_dir, **options})
         self.doctor: Doctor | None = None
 
