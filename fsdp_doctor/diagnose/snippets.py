@@ -1959,9 +1959,9 @@ def olmo_checkpointer(every: Optional[int]) -> str:
                 "        if callback.ephemeral_save_interval:",
                 "            callback.ephemeral_save_interval = max(",
                 f"                callback.ephemeral_save_interval, {every})"]
-    return complete("\n".join([f"# {head}", "from olmo_core.train.callbacks import CheckpointerCallback", "",
-                               "for callback in trainer.callbacks.values():",
-                               "    if isinstance(callback, CheckpointerCallback):", *body]), define_mesh=False)
+    return "\n".join(["from olmo_core.train.callbacks import CheckpointerCallback", "", f"# {head}",
+                      "for callback in trainer.callbacks.values():",
+                      "    if isinstance(callback, CheckpointerCallback):", *body])  # (completed by the finding)
 
 
 _POLICY_DTYPE = re.compile(r"\bparam_dtype=torch\.(\w+)")
