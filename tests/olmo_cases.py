@@ -67,8 +67,9 @@ def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capac
     """One OLMo-core run recorded into ``out/name``, ``cfg_fix`` run with its train module's config built and
     ``built_fix`` with the train module built, ``trainer_fix`` with the Trainer built (each as a user pastes it);
     ``save_every``: its checkpointer's save interval, in steps (none: a save before the first step and after the
-    last alone), its saves synchronous (NOT_PASTED says why); ``doctor`` False: trained without the doctor. Returns the digest of the trained parameters (the sum of every
-    full parameter, in float64) and what the doctor left on the Trainer after training (its attributes)."""
+    last alone), its saves synchronous (NOT_PASTED says why); ``doctor`` False: trained without the doctor.
+    Returns the digest of the trained parameters (the sum of every full parameter, in float64) and what the doctor
+    left on the Trainer after training (its attributes)."""
     import torch
     from olmo_core.config import DType
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig

@@ -23,12 +23,6 @@ HERE = Path(__file__).resolve().parent
 STEPPED_ASIDE = "the doctor records no profiler windows in this run"
 
 
-#: scripts whose ranks run as processes of their own, as torchrun starts them, not forked from the fork server:
-#: OLMo-core's Trainer with asynchronous checkpoint saves hung at its end in forked ranks (its run complete, its last
-#: checkpoint written) and finished in processes of their own
-OWN_PROCESSES = {"olmo_cases.py"}
-
-
 def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
             script: str = "clients.py", device: str = "cpu") -> tuple[list[dict], list[str]]:
     """Runs ``client`` of ``script`` (tests/clients.py, tests/recorder_cases.py) on ``world`` gloo ranks (the
@@ -49,7 +43,7 @@ def _launch(client: str, world: int, out: Path, timeout_s: float = 420,
     argv = [[client, str(r), str(world), port, str(out)] for r in range(world)]
     if script == "titan_cases.py" and device == "cpu":  # forked from the server that imported torchtitan once
         return _titan_forked(argv, env, world, timeout_s)
-    if start_method(device) == "forkserver" and script not in OWN_PROCESSES:
+    if start_method(device) == "forkserver":
         forkserver_preload(FORKSERVER_PRELOAD)
         procs = [_Forked(HERE / script, argv[r], envs[r]) for r in range(world)]
     else:

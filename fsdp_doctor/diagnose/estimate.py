@@ -19,8 +19,8 @@ import msgspec
 from ..analyze.memory import recompute_held
 from ..analyze.steps import (SHIFT_MIN_SEPARATION, STRAGGLER_MIN_CONSISTENCY, late_straggler, profiled_saves,
                              read_on_straggler as read_on_late, unit_modules, unit_passes)
-from ..records import (LIGHTNING_DRIVER, OLMO_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TORCHTUNE_DRIVER, TRAINER_DRIVER,
-                       TRANSFORMERS_SHARDER, UnitConfig, unit_defaults)
+from ..records import (LIGHTNING_DRIVER, OLMO_DRIVER, TITAN_DRIVER, TORCHTITAN_SHARDER, TORCHTUNE_DRIVER,
+                       TRAINER_DRIVER, TRANSFORMERS_SHARDER, UnitConfig, unit_defaults)
 from ..report_sections import (CommUnitRow, MemoryRank, MemoryUnitRow, OverlapSection,
                                Predicted, StepsSection, UnitTiming)
 from ..trace.build import MODEL_PHASE

@@ -1980,14 +1980,14 @@ OLMO_DTYPES = {
 
 def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -> None:
     """A fix of a run OLMo-core's Trainer drove (``Recommendation``, changed in place; ``optimizer``: the recorded
-    optimizer's class; ``t``: the run's module tree). A new-user trial (OLMo-core 3.0.0's olmo2 model, 2 gloo ranks)
-    read ``model.set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop", where the train module
-    runs the loop, and code "after your fully_shard calls", which its Transformer.apply_fsdp makes. A fix that is a
-    setting of the train module's config becomes it (the forward prefetch, the wrapping strategy, the checkpointed
-    modules); a loop fix keyed to the last micro-batch wraps the train module's micro-batch context; a fix for the
-    sharded model or its optimizer goes after the train module is built, where they are train_module.model and
-    train_module.optim (the fused optimizer's and compiled blocks' also name its config's setting); any other (a plan no strategy
-    makes, another loop edit) says where such a change goes."""
+    optimizer's class; ``t``: the run's module tree). A new-user trial (OLMo-core 3.0.0's olmo2 model, 2 gloo
+    ranks) read ``model.set_requires_gradient_sync(is_last_micro_batch)`` "in your training loop", where the
+    train module runs the loop, and code "after your fully_shard calls", which its Transformer.apply_fsdp makes.
+    A fix that is a setting of the train module's config becomes it (the forward prefetch, the wrapping strategy,
+    the checkpointed modules); a loop fix keyed to the last micro-batch wraps the train module's micro-batch
+    context; a fix for the sharded model or its optimizer goes after the train module is built, where they are
+    train_module.model and train_module.optim (the fused optimizer's and compiled blocks' also name its config's
+    setting); any other (a plan no strategy makes, another loop edit) says where such a change goes."""
     if finding == "prefetch.exposed_allgather" and "set_modules_to_forward_prefetch" in rec.code:
         rec.code, rec.where, rec.inputs = olmo_prefetch(), "olmo_config", dict(OLMO_CONFIG_INPUT)
         rec.text += (" OLMo-core's Transformer.apply_fsdp sets the forward prefetch from your data-parallel config's "
@@ -2003,8 +2003,8 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
         rec.code = _olmo_setting("the train module's FSDP policy", ["from olmo_core.config import DType", *lines],
                                  override)
         rec.code, rec.where, rec.inputs = complete(rec.code, define_mesh=False), "olmo_config", dict(OLMO_CONFIG_INPUT)
-        rec.text += (" OLMo-core's Transformer.apply_fsdp makes the policy from your data-parallel config (param_dtype, "
-                     "reduce_dtype).")
+        rec.text += (" OLMo-core's Transformer.apply_fsdp makes the policy from your data-parallel config "
+                     "(param_dtype, reduce_dtype).")
         return
     if finding == "kernels.launch_bound" and ".compile()" in rec.code:  # (its config's word beside the code)
         rec.text += (" OLMo-core compiles each block and the LM head itself, before sharding, with compile_model=True "

@@ -239,7 +239,7 @@ def fixes_note(findings) -> str:
     # (a torchtune recipe's fixes name its own `model` in _setup_model and `self._model` in train())
     if not python or all(w.startswith("torchtune_") for w in python):
         return ""
-    if all(w.startswith("olmo_") for w in python):  # (an OLMo-core run's: its train module and that one's config)
+    if all(w.startswith("olmo_") for w in python):  # (an OLMo-core run's: its configs, train module and Trainer)
         return ("The fixes call OLMo-core's objects as its example scripts do (`train_module_config`, `train_module`, "
                 "`trainer`): rename them to yours where you paste.")
     return ("The fixes call your model `model` and your optimizer `optimizer`: rename them "

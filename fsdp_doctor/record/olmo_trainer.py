@@ -9,12 +9,13 @@ train module's model and optimizer from ``pre_train`` (both built and sharded by
 ``post_step`` (once per optimizer step: the train module runs the micro-batches inside it) and stops at
 ``post_train``, ``on_error`` or ``close``. Its priority is the lowest of the Trainer's callbacks, so a step ends
 after theirs (the garbage collector's scheduled collection, the speed monitor); the checkpointer's save before the
-first step is made before the watch starts, its last one (at ``post_train``) after the last step. The Trainer's checkpoint saves are timed as ``doctor.checkpointing()`` times one (an
-asynchronous one: the staging the step waits for), by wrapping this Trainer's ``save_checkpoint`` and
-``save_checkpoint_async`` while it watches; nothing of it remains on the Trainer after.
+first step is made before the watch starts, its last one (at ``post_train``) after the last step. The Trainer's
+checkpoint saves are timed as ``doctor.checkpointing()`` times one (an asynchronous one: the staging the step waits
+for), by wrapping this Trainer's ``save_checkpoint`` and ``save_checkpoint_async`` while it watches; nothing of it
+remains on the Trainer after.
 
-Training never depends on the doctor: a refusal (no FSDP2 unit in the model, ``out_dir`` holding another run) is
-one log line and training goes on unwatched.
+Training never depends on the doctor: a refusal (no FSDP2 unit in the model, ``out_dir`` holding another run) is one
+log line and training goes on unwatched.
 """
 
 from __future__ import annotations
