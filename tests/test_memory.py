@@ -464,6 +464,28 @@ def test_autocast_copies_of_parameters_counted_exactly(autocast, base):
         quiet["precision.autocast_fp32_params"]
 
 
+def test_autocast_over_a_policy_gathering_float32_explicitly(autocast):
+    """A MixedPrecisionPolicy that states the parameters' own float32 (OLMo-core's states its model's dtype) gathers
+    them in float32 all the same: under autocast the rule read "every unit gathers its parameters in its
+    MixedPrecisionPolicy's param_dtype" and stayed quiet on a new-user trial's OLMo-core run. The autocast run's
+    records with that policy on every unit: the same finding, the same copies counted."""
+    import msgspec
+
+    from fsdp_doctor import build_report, load_run
+
+    (run, _), _ = autocast
+    stated = load_run(run.path)  # (a copy: the fixture's run is shared)
+    for rd in stated.ranks.values():
+        rd.config.units = [msgspec.structs.replace(u, param_dtype="float32", reduce_dtype="float32")
+                           for u in rd.config.units]
+    (f,) = [f for f in build_report(stated).findings if f.code == "precision.autocast_fp32_params"]
+    (g,) = [g for g in build_report(run).findings if g.code == "precision.autocast_fp32_params"]
+    assert f.evidence["units_float32"] == g.evidence["units_float32"] > 0, f.evidence
+    assert f.evidence["cast_copies_most_bytes"] == g.evidence["cast_copies_most_bytes"] > 0
+    assert "autocast_mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16" in f.recommendation.code, \
+        f.recommendation.code
+
+
 def test_reshard_after_forward_false_keeps_units_gathered(noreshard_stale):
     run, cfg = noreshard_stale
     for r in range(NPROC):
