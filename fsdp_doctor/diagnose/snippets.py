@@ -1818,6 +1818,13 @@ def _olmo_setting(head: str, lines: list[str], override: str) -> str:
                                f"(in OLMo-core's example scripts, {override} on the command line)"), *lines])
 
 
+def _to_config(rec, code: str, text: str) -> None:
+    """``rec`` made a setting of the user's train-module config (place "olmo_config"): its code, its input, and
+    ``text`` said after the finding's own."""
+    rec.code, rec.where, rec.inputs = code, "olmo_config", dict(OLMO_CONFIG_INPUT)
+    rec.text += text
+
+
 def olmo_prefetch() -> str:
     """prefetch.exposed_allgather's fix as OLMo-core's setting: Transformer.apply_fsdp sets each block to prefetch
     the next ``prefetch_factor`` blocks in forward (the last block the LM head), from its data-parallel config."""
@@ -1900,10 +1907,9 @@ def _olmo_ac(rec, finding: str, t: Tree) -> bool:
         said = "checkpoints" if modules else "turns off checkpointing of"
     else:
         return False
-    rec.code = complete(olmo_checkpointing(modules, blocks), define_mesh=False)
-    rec.where, rec.inputs = "olmo_config", dict(OLMO_CONFIG_INPUT)
-    rec.text += (f" OLMo-core's train module {said} the modules its ac_config names before it shards the model: the "
-                 "setting replaces your train module's ac_config.")
+    _to_config(rec, complete(olmo_checkpointing(modules, blocks), define_mesh=False),
+               f" OLMo-core's train module {said} the modules its ac_config names before it shards the model: the "
+               "setting replaces your train module's ac_config.")
     return True
 
 
@@ -1931,11 +1937,10 @@ def olmo_checkpointing(modules: list[str], blocks: list[str]) -> str:
         return _olmo_setting("activation checkpointing off", ["train_module_config.ac_config = None"],
                              "--train_module.ac_config=null")
     if set(modules) == set(blocks):
-        args, said = "mode='full'", "{mode: full}"
+        args, said, head = "mode='full'", "{mode: full}", "every block"
     else:
         args = f"mode='selected_modules',\n    modules={modules!r}"
-        said = f"{{mode: selected_modules, modules: [{', '.join(modules)}]}}"
-    head = "every block" if set(modules) == set(blocks) else ", ".join(modules)
+        said, head = f"{{mode: selected_modules, modules: [{', '.join(modules)}]}}", ", ".join(modules)
     return _olmo_setting(f"activation checkpointing on {head}",
                          ["from olmo_core.train.train_module import (",
                           "    TransformerActivationCheckpointingConfig)",
@@ -1989,10 +1994,9 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
     train_module.model and train_module.optim (the fused optimizer's and compiled blocks' also name its config's
     setting); any other (a plan no strategy makes, another loop edit) says where such a change goes."""
     if finding == "prefetch.exposed_allgather" and "set_modules_to_forward_prefetch" in rec.code:
-        rec.code, rec.where, rec.inputs = olmo_prefetch(), "olmo_config", dict(OLMO_CONFIG_INPUT)
-        rec.text += (" OLMo-core's Transformer.apply_fsdp sets the forward prefetch from your data-parallel config's "
-                     "prefetch_factor (each block the next, the last block the LM head); backward keeps FSDP2's "
-                     "own prefetch.")
+        _to_config(rec, olmo_prefetch(), " OLMo-core's Transformer.apply_fsdp sets the forward prefetch from your "
+                   "data-parallel config's prefetch_factor (each block the next, the last block the LM head); "
+                   "backward keeps FSDP2's own prefetch.")
         return
     if finding == "optim.unfused_step" and optimizer in ("Adam", "AdamW"):  # (its config's word beside the code)
         rec.text += (f" OLMo-core builds the optimizer from your train module's config: fused=True on its "
@@ -2000,11 +2004,9 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
                      "command line of OLMo-core's example scripts).")
     if finding in OLMO_DTYPES and (dt := _POLICY_DTYPE.search(rec.code)):  # (its policy's line: the dtype)
         lines, override = OLMO_DTYPES[finding](dt.group(1))
-        rec.code = _olmo_setting("the train module's FSDP policy", ["from olmo_core.config import DType", *lines],
-                                 override)
-        rec.code, rec.where, rec.inputs = complete(rec.code, define_mesh=False), "olmo_config", dict(OLMO_CONFIG_INPUT)
-        rec.text += (" OLMo-core's Transformer.apply_fsdp makes the policy from your data-parallel config "
-                     "(param_dtype, reduce_dtype).")
+        code = _olmo_setting("the train module's FSDP policy", ["from olmo_core.config import DType", *lines], override)
+        _to_config(rec, complete(code, define_mesh=False), " OLMo-core's Transformer.apply_fsdp makes the policy from "
+                   "your data-parallel config (param_dtype, reduce_dtype).")
         return
     if finding == "kernels.launch_bound" and ".compile()" in rec.code:  # (its config's word beside the code)
         rec.text += (" OLMo-core compiles each block and the LM head itself, before sharding, with compile_model=True "
@@ -2013,9 +2015,8 @@ def for_olmo(rec, finding: str, optimizer: str = "", t: Optional[Tree] = None) -
         return
     # (a wrapping rule's plan: another's, a mixed-precision policy's, changes more than the units)
     if finding.startswith("wrap.") and rec.where == "unsharded" and (strategy := olmo_strategy(rec.code)):
-        rec.code, rec.where, rec.inputs = olmo_wrapping(strategy), "olmo_config", dict(OLMO_CONFIG_INPUT)
-        rec.text += (f" OLMo-core's Transformer.apply_fsdp shards the model from your data-parallel config: its "
-                     f"'{strategy}' wrapping strategy makes these units.")
+        _to_config(rec, olmo_wrapping(strategy), f" OLMo-core's Transformer.apply_fsdp shards the model from your "
+                   f"data-parallel config: its '{strategy}' wrapping strategy makes these units.")
         return
     if LAST_MICRO_BATCH in rec.inputs and (code := olmo_micro_batch(rec.code)) is not None:
         rec.code, rec.where, rec.inputs = code, "olmo_built", {}
