@@ -209,8 +209,12 @@ def counted_saves(c: CheckpointSteps) -> int:
 def first_save_setup(c: CheckpointSteps) -> float:
     """The first counted save's excess over the median save (ms): a process's first save also sets up (an
     async_save its staging: 45-68 ms against 31 ms for the next ones in torchtitan's), once however often it saves;
-    0 with one save, or where the first was not slower."""
-    return max(0.0, (c.first_ms or 0.0) - c.ms_p50) if counted_saves(c) > 1 else 0.0
+    0 with one save, or where the first was not slower. Of two saves, its excess over the other: their median is
+    their mean, which halves it (OLMo-core's asynchronous saves, 1,094 ms then 100 ms, read 497 ms of set-up and
+    12.9% of the time without it, where the second save's share was 4.1%)."""
+    n, first = counted_saves(c), c.first_ms or 0.0
+    typical = c.ms_total - first if n == 2 else c.ms_p50
+    return max(0.0, first - typical) if n > 1 else 0.0
 
 
 def save_ms_each(c: CheckpointSteps) -> float:

@@ -10,7 +10,8 @@ from typing import Optional
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
-from ...analyze.steps import first_save_setup, heaviest_saves, save_interval, save_ms_each, saves_share
+from ...analyze.steps import (counted_saves, first_save_setup, heaviest_saves, save_interval, save_ms_each,
+                              saves_share)
 from ...units import fmt_share
 
 #: saves taking at least this share of the recorded time are a finding, a warning from the second
@@ -72,8 +73,8 @@ class CheckpointBlocking(Rule):
         setup = first_save_setup(c)
         if setup and (rest := (c.ms_total - setup) / (c.wall_ms_total - setup)) < SHARE_NOTE:
             return self.quiet(f"checkpoint saves take {fmt_share(share, 1)} of the recorded time (rank {rank}), "
-                              f"{setup:.0f} ms of it the first save's excess over the others' median (set-up, once a "
-                              f"process); the others {fmt_share(rest, 1, SHARE_NOTE)} "
+                              f"{setup:.0f} ms of it the first save's excess over "
+                              f"{'the other' if counted_saves(c) == 2 else 'the median'} (set-up, once a process); the others {fmt_share(rest, 1, SHARE_NOTE)} "
                               f"(fires from {100 * SHARE_NOTE:.0f}%)")
         steps = c.counted_steps or len(ctx.run.ranks[rank].steps)
         every = save_interval(c)
