@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from olmo_cases import NOT_PASTED, OLMO_SITE, PASTED
+from olmo_cases import OLMO_SITE, PASTED
 from test_clients import _launch
 
 #: how far a fixed run's trained parameters may drift from the run as is (the sum of every parameter): the fused
@@ -61,13 +61,14 @@ def test_olmo_fixes_go_into_its_train_module_and_work_as_printed(full_run):
     is_last_micro_batch)`` "in your training loop", fixes "after your fully_shard calls", and, saving every 5 steps,
     "The save is your code ... no code is offered". Each fix now goes after the train module is built
     (``train_module.model``, ``train_module.optim``; the micro-batches' switch wraps its micro-batch context) or on
-    the built Trainer's checkpointer; pasted as printed (the checkpointer's aside), every finding is gone, no warning
-    appears, the peak is within 10% of the fixes' predictions added up and the trained parameters are the same to
-    1e-6."""
+    the built Trainer's checkpointer; pasted as printed, every finding is gone (the checkpointer's says its saves are
+    asynchronous already), no warning appears, the peak is within 10% of the fixes' predictions added up and the
+    trained parameters are the same to 1e-6."""
     for before, after, _ in full_run:
         # its checkpointer's saves at global steps 5 and 10 (the doctor's steps count from 0), timed; the fix on its
-        # checkpointer (not pasted: olmo_cases.NOT_PASTED) makes them asynchronous
+        # checkpointer makes them asynchronous
         assert before["saved_steps"] == after["saved_steps"] == [4, 9], (before["saved_steps"], after["saved_steps"])
+        assert (before["async_saves"], after["async_saves"]) == (0, 2), (before["async_saves"], after["async_saves"])
         blocking = before["findings"]["checkpoint.blocking"]
         assert blocking["where"] == "olmo_trainer" and "callback.save_async = True" in blocking["code"], blocking
         assert "OLMo-core's checkpointer saves asynchronously with save_async=True" in blocking["text"], blocking
@@ -81,9 +82,15 @@ def test_olmo_fixes_go_into_its_train_module_and_work_as_printed(full_run):
         assert "train_module._train_microbatch_context = before_micro_batch" in accum["code"], accum["code"]
         assert "train_module.model.set_requires_gradient_sync(is_last_micro_batch)" in accum["code"]
         assert not accum["inputs"], accum["inputs"]  # (the last micro-batch said in the code, from OLMo-core's own)
-        assert not set(f) & set(after["findings"]) - STAY_ON_GLOO - set(NOT_PASTED["full"]), after["findings"].keys()
+        # asynchronous, a save still stops the step while it copies the state (as long as the write on this CPU: a
+        # trial's 1.08 s both ways): where it still fires, it says so and offers the interval alone
+        if blocking := after["findings"].get("checkpoint.blocking"):
+            assert "The saves are asynchronous already" in blocking["text"], blocking["text"]
+            assert "save_async" not in blocking["code"], blocking["code"]
+            assert "callback.save_interval = max(callback.save_interval, " in blocking["code"], blocking["code"]
+        assert not set(f) & set(after["findings"]) - STAY_ON_GLOO - {"checkpoint.blocking"}, after["findings"].keys()
         _no_new_warning(before, after)
-        _within_predicted(before, after, set(f) - set(NOT_PASTED["full"]))
+        _within_predicted(before, after)
         assert after["digest"] == pytest.approx(before["digest"], rel=DIGEST_RTOL), (before["digest"], after["digest"])
 
 
@@ -136,3 +143,28 @@ def test_olmo_checkpointing_off_and_regather_fixes_work_as_printed(ac_loose_run)
         assert all(ckpt == "none" for _, ckpt, *_ in after["units"]), after["units"]
         _no_new_warning(before, after)
         _within_predicted(before, after)
+
+
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory):
+    return _case(tmp_path_factory, "eval")
+
+
+def test_olmo_evaluation_fix_wraps_its_evaluator_callbacks(eval_run):
+    """OLMo-core's LM evaluator runs 4 forward passes without gradients every 3 steps inside its Trainer's steps
+    (EvaluatorCallback.perform_eval, from its post_step), each all-gathering every unit again. eval.regather's fix
+    put ``with torch.no_grad(): evaluate()`` between lines no OLMo-core user writes; it wraps each evaluator
+    callback's perform_eval on the built Trainer now. Pasted as printed, the units stay gathered across each
+    evaluation's forwards (the rule quiet on its count of all-gathers), no warning appears and the trained parameters
+    are the same to the bit (a trial: the evaluations 706.0 -> 667.5 ms, up to 95.2 ms predicted, the rule's own
+    caveat on gloo's waits said; the validation loss unchanged)."""
+    for before, after in eval_run:
+        f = before["findings"]["eval.regather"]
+        assert f["where"] == "olmo_trainer" and not f["inputs"], (f["where"], f["inputs"])
+        assert "callback.perform_eval = gathered_for_evaluation(callback.perform_eval)" in f["code"], f["code"]
+        assert max(map(len, f["code"].splitlines())) <= 80, f["code"]
+        assert "eval.regather" not in after["findings"], after["findings"].keys()
+        assert after["quiet"]["eval.regather"].startswith("the units stay gathered across those forwards"), \
+            after["quiet"]["eval.regather"]
+        _no_new_warning(before, after)
+        assert after["digest"] == before["digest"], (before["digest"], after["digest"])

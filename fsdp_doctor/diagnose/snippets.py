@@ -1325,8 +1325,9 @@ def name_list(var: str, names: list[str], width: int = 80) -> str:
     return _wrapped(f"{var} = ", [repr(n) for n in names], width)
 
 
-def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
-    """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``).
+def set_on_units(names: Iterable[str], call: str, loop_over: int = 6, width: int = 80) -> str:
+    """``<module>.<call>`` on each named unit of the sharded model (a loop over their names past ``loop_over``), in
+    ``width`` columns.
     A unit inside a CheckpointWrapper ("layers.0._checkpoint_wrapped_module": accelerate's plugin) is reached through
     the wrapper's place: the module inside it while wrapped, the unit itself once unwrapped (as an older ac.unneeded
     fix did: named inside the wrapper, that fix pasted beside this one raised AttributeError; named by the wrapper
@@ -1334,14 +1335,14 @@ def set_on_units(names: Iterable[str], call: str, loop_over: int = 6) -> str:
     trials)."""
     mods = [members(n)[0] for n in names]
     if any(strip_ckpt(m) != m for m in mods):
-        return (name_list("names", [strip_ckpt(m) for m in mods]) + "\nfor name in names:\n"
+        return (name_list("names", [strip_ckpt(m) for m in mods], width) + "\nfor name in names:\n"
                 "    unit = model.get_submodule(name)\n"
                 "    unit = getattr(unit, '_checkpoint_wrapped_module', unit)  # inside a checkpoint wrapper\n"
                 f"    unit.{call}")
     # (a loop too where a line would pass 80 columns: an HF layer's
     # "model.get_submodule('model.layers.1').set_reshard_after_forward(False, recurse=False)" read 85)
-    if len(mods) > loop_over or any(len(f"{module_expr(m)}.{call}") > 80 for m in mods):
-        return name_list("names", mods) + f"\nfor name in names:\n    unit = model.get_submodule(name)\n    unit.{call}"
+    if len(mods) > loop_over or any(len(f"{module_expr(m)}.{call}") > width for m in mods):
+        return name_list("names", mods, width) + f"\nfor name in names:\n    unit = model.get_submodule(name)\n    unit.{call}"
     return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
 
 
@@ -2123,11 +2124,12 @@ def gathered_around_evaluation(restore: list[str]) -> str:
             + EVALUATE_CALL + _after_evaluation(restore))
 
 
-def _after_evaluation(restore: list[str]) -> str:
+def _after_evaluation(restore: list[str], width: int = 80) -> str:
     """The lines after an evaluation kept gathered: each unit in ``restore`` set back to resharding after forward,
-    and every unit resharded."""
+    and every unit resharded (in ``width`` columns)."""
     return ("# the training steps' setting back, and the gathered parameters released\n"
-            + (set_on_units(restore, "set_reshard_after_forward(True, recurse=False)") + "\n" if restore else "")
+            + (set_on_units(restore, "set_reshard_after_forward(True, recurse=False)", width=width) + "\n"
+               if restore else "")
             + RESHARD_EVERY_UNIT)
 
 
@@ -2147,6 +2149,29 @@ def trainer_gathered_for_evaluation(restore: list[str]) -> str:
             "    def on_evaluate(self, args, state, control, model=None, **kwargs):\n"
             f"{end}\n\n\n"
             "trainer.add_callback(DoctorFix())")
+
+
+def olmo_gathered_for_evaluation(restore: list[str]) -> str:
+    """gathered_around_evaluation for the evaluations OLMo-core's evaluator callbacks run in its Trainer's steps
+    (``EvaluatorCallback.perform_eval``, at its eval_interval), which no code of the user's surrounds: each one's
+    perform_eval wrapped on the built Trainer, the wrapped method bound as a default (as olmo_micro_batch's)."""
+    end = textwrap.indent(_after_evaluation(restore, width=76), " " * 4)
+    return ("from olmo_core.train.callbacks import EvaluatorCallback\n\n"
+            "model = trainer.train_module.model\n\n\n"
+            f"def after_evaluation():\n{end}\n\n\n"
+            "# every unit gathered once for each evaluation an evaluator callback runs,\n"
+            "# not once per forward pass\n"
+            "def gathered_for_evaluation(perform_eval):\n"
+            "    def perform_eval_gathered(*args, **kwargs):\n"
+            "        model.set_reshard_after_forward(False)\n"
+            "        try:\n"
+            "            return perform_eval(*args, **kwargs)\n"
+            "        finally:\n"
+            "            after_evaluation()\n"
+            "    return perform_eval_gathered\n\n\n"
+            "for callback in trainer.callbacks.values():\n"
+            "    if isinstance(callback, EvaluatorCallback):\n"
+            "        callback.perform_eval = gathered_for_evaluation(callback.perform_eval)")
 
 
 #: the objects set-up made (the model, the optimizer, the data loader's) frozen out of the collector's view: the full

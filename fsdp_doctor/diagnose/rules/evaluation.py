@@ -133,6 +133,10 @@ class EvalRegather(Rule):
         elif E.trainer_driven(ctx):  # the Trainer's own evaluations (eval_strategy): no code of the user's around them
             text += " Under the Trainer, a callback keeps them gathered through each evaluation it runs in train()."
             code, where, inputs = S.trainer_gathered_for_evaluation(restore), "trainer", dict(S.TRAINER_INPUTS)
+        elif E.olmo_driven(ctx):  # OLMo-core's evaluator callbacks run them inside its Trainer's steps
+            text += (" Under OLMo-core's Trainer its evaluator callbacks run them (EvaluatorCallback.perform_eval, at "
+                     "their eval_interval): the lines wrap each one's on the built Trainer.")
+            code, where = S.olmo_gathered_for_evaluation(restore), "olmo_trainer"
         else:
             code = S.gathered_around_evaluation(restore)
             where, inputs = "evaluation", {"evaluate": "your evaluation or generation: the model's forward passes "
