@@ -42,6 +42,8 @@ CASES = {
     # OLMo-core's in-loop evaluation (its LM evaluator, 4 batches every 3 steps), with room to spare: the units kept
     # gathered through each evaluation
     "eval": {"eval_every": 3, "capacity_mib": 400},
+    # no doctor: OLMo-core's own ProfilerCallback (a trace of steps 4-5, rank 0's), its trace's fixes pasted
+    "profiled": {"profiler": True},
 }
 #: the findings whose fixes a case's second run pastes, where not all: under blocks_tight's budget the accumulation
 #: fix's unsharded gradients (+8.5 MiB) bring checkpointing back (a trial's peak, all pasted: 88.4 MiB of 100)
@@ -81,14 +83,15 @@ def eval_tokens_file(out: Path) -> Path:
 
 
 def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capacity_mib: float | None = None,
-          save_every: int | None = None, eval_every: int | None = None, cfg_fix: str = "", built_fix: str = "",
-          trainer_fix: str = "", doctor: bool = True) -> tuple[float, list[str]]:
+          save_every: int | None = None, eval_every: int | None = None, profiler: bool = False, cfg_fix: str = "",
+          built_fix: str = "", trainer_fix: str = "", doctor: bool = True) -> tuple[float, list[str]]:
     """One OLMo-core run recorded into ``out/name``, ``cfg_fix`` run with its train module's config built and
     ``built_fix`` with the train module built, ``trainer_fix`` with the Trainer built (each as a user pastes it);
     ``save_every``: its checkpointer's save interval, in steps (none: a save before the first step and after the
     last alone), its saves synchronous unless ``trainer_fix`` turns them asynchronous (then without the metric
     OLMo-core's race hangs on: ASYNC_SAVE_METRIC); ``eval_every``: its LM evaluator's interval, in steps (4 batches of
-    a file of its own each time; none: no evaluation); ``doctor`` False: trained without the doctor.
+    a file of its own each time; none: no evaluation); ``profiler``: OLMo-core's ProfilerCallback, without the doctor
+    (its trace: ``profiler_trace``); ``doctor`` False: trained without the doctor.
     Returns the digest of the trained parameters (the sum of every full parameter, in float64) and what the doctor
     left on the Trainer after training (its attributes)."""
     import torch
@@ -99,7 +102,7 @@ def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capac
     from olmo_core.nn.transformer import TransformerConfig
     from olmo_core.optim import AdamWConfig
     from olmo_core.train import Duration, TrainerConfig
-    from olmo_core.train.callbacks import CheckpointerCallback, LMEvaluatorCallbackConfig
+    from olmo_core.train.callbacks import CheckpointerCallback, LMEvaluatorCallbackConfig, ProfilerCallback
     from olmo_core.train.train_module import (TransformerActivationCheckpointingConfig,
                                               TransformerDataParallelConfig, TransformerTrainModuleConfig)
     from olmo_core.utils import seed_all
@@ -138,7 +141,9 @@ def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capac
         record = trainer.record_metric
         trainer.record_metric = lambda name, *a, **k: None if name == ASYNC_SAVE_METRIC else record(name, *a, **k)
     options = {"capacity_bytes": int(capacity_mib * 2**20)} if capacity_mib else {}
-    if doctor:
+    if profiler:  # (as its users profile: with_stack, its default, records the Python frames that name its Trainer)
+        trainer.add_callback("profiler", ProfilerCallback(wait=1, warmup=2, active=2))
+    elif doctor:
         trainer.add_callback("fsdp_doctor", DoctorCallback(out_dir=str(out / name), **options))
     trainer.fit()
     left = [n for n in SAVES if n in vars(trainer)]  # (the save methods it wraps while it watches)
@@ -151,6 +156,22 @@ def fixes(findings: dict, where: str) -> str:
     return "\n\n".join(f["code"] for f in findings.values() if f["where"] == where)
 
 
+def profiler_trace(out: Path, name: str) -> Path:
+    """The folder of the trace OLMo-core's ProfilerCallback wrote in run ``name`` (rank 0's: its default ranks)."""
+    return out / f"save_{name}" / "profiler"
+
+
+def trace_outcome(out: Path, name: str) -> dict:
+    """Run ``name``'s trace read back: its findings (severity, where the fix goes, the fix, its inputs), the quiet
+    rules' reasons, what drove it by the trace."""
+    rep = fsdp_doctor.build_report(fsdp_doctor.load_run(profiler_trace(out, name)))
+    return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
+                                  "code": f.recommendation.code, "inputs": f.recommendation.inputs}
+                         for f in rep.findings},
+            "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
+            "drivers": sorted({str(pr.driver) for pr in rep.overlap.per_rank.values()})}
+
+
 def run_case(name: str, out: Path) -> dict:
     """One run of a case (CASES) in ``out``: "CASE" as it is, "CASE_fixed" (launched after it, in a process of its own:
     OLMo-core builds one world mesh a process) with every fix of CASE's diagnosis pasted where it says, "CASE_plain"
@@ -161,11 +182,15 @@ def run_case(name: str, out: Path) -> dict:
     case = name.removesuffix("_fixed").removesuffix("_plain")
     if name.endswith("_plain"):  # (no doctor: the digest to compare)
         return {"digest": train(out, name, **CASES[case], doctor=False)[0]}
-    found = _outcome(out / case, rank)["findings"] if name != case else {}
+    traced = CASES[case].get("profiler")  # (its findings the trace's, the first run's rank 0's)
+    found = ({} if name == case else trace_outcome(out, case)["findings"] if traced
+             else _outcome(out / case, rank)["findings"])
     found = {k: v for k, v in found.items() if k in PASTED.get(case, found)}
     digest, left = train(out, name, **CASES[case], cfg_fix=fixes(found, "olmo_config"),
                          built_fix=fixes(found, "olmo_built"), trainer_fix=fixes(found, "olmo_trainer"))
     dist.barrier()
+    if traced:
+        return {"digest": digest, **trace_outcome(out, name)}
     steps = fsdp_doctor.load_run(out / name).ranks[rank].steps
     return {"digest": digest, "left": left, "saved_steps": [s.step for s in steps if s.checkpoint_ms],
             "async_saves": sum(s.async_saves for s in steps), **_outcome(out / name, rank)}

@@ -168,3 +168,27 @@ def test_olmo_evaluation_fix_wraps_its_evaluator_callbacks(eval_run):
             after["quiet"]["eval.regather"]
         _no_new_warning(before, after)
         assert after["digest"] == before["digest"], (before["digest"], after["digest"])
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    return _case(tmp_path_factory, "profiled")
+
+
+def test_olmo_profiler_trace_fixes_in_its_words_work_as_printed(profiled_run):
+    """A run profiled by OLMo-core's own ProfilerCallback, no doctor: its trace's Python frames say OLMo-core's
+    Trainer drove it, and its fixes (the synchronous unshard on gloo, a reduce-scatter every micro-batch) go after
+    the train module is built, where a trial's trace read "after your fully_shard calls" and "in your training
+    loop". Pasted as printed, the next trace has neither finding and no new warning, and the trained parameters
+    are the same to 1e-6 (a trial: the step 1.17 -> 1.09 s, 0.1% -> 28.7% of its collectives overlapped)."""
+    for before, after in profiled_run:
+        assert before["drivers"] == after["drivers"] == ["olmo_core.Trainer"], (before["drivers"], after["drivers"])
+        f = before["findings"]
+        assert {"prefetch.sync_unshard", "accum.sync_every_micro_batch"} <= set(f), f.keys()
+        for code in f:
+            assert f[code]["where"] in ("olmo_built", "olmo_config", "olmo_trainer"), (code, f[code]["where"])
+        assert "train_module._train_microbatch_context = before_micro_batch" in \
+            f["accum.sync_every_micro_batch"]["code"]
+        assert not set(f) & set(after["findings"]) - STAY_ON_GLOO, after["findings"].keys()
+        _no_new_warning(before, after)
+        assert after["digest"] == pytest.approx(before["digest"], rel=DIGEST_RTOL), (before["digest"], after["digest"])

@@ -188,3 +188,30 @@ def test_the_callback_without_olmo_core_says_what_it_needs_in_one_line():
     with pytest.raises(ImportError, match=r"^fsdp_doctor.olmo.DoctorCallback is OLMo-core's Trainer callback: "
                                           r"olmo_core does not import here \(No module named 'olmo_core'\)$"):
         DoctorCallback(out_dir="unused")
+
+
+def test_a_trace_of_its_profiler_callback_says_the_fixes_in_its_words(tmp_path):
+    """OLMo-core's ProfilerCallback records Python frames by default (with_stack): its Trainer's frames
+    ("olmo_core/train/trainer.py(761): fit") in a plain trace say it drove the run. A trial's trace of it (2 gloo
+    ranks, 2 micro-batches a step, no doctor) read "after your fully_shard calls" and "in your training loop"; the
+    fixes are those of a recorded run now (pasted there: both findings gone, the step 1.17 -> 1.09 s). Known answer:
+    test_accum_plain_trace's trace of 2 micro-batches, with and without such a frame."""
+    from test_accum_plain_trace import WORLD, _accum_trace
+
+    def fix(frame: bool):
+        out = tmp_path / str(frame)
+        out.mkdir()
+        for r in range(WORLD):
+            b = _accum_trace(r, 2, memory=False, shapes=False)
+            if frame:
+                b.x("olmo_core/train/trainer.py(761): fit", 1.0, 29000.0, cat="python_function")
+            b.write(out / f"rank{r}.json")
+        rep = fsdp_doctor.build_report(fsdp_doctor.load_run(out))
+        assert {pr.driver for pr in rep.overlap.per_rank.values()} == {OLMO_DRIVER if frame else None}
+        return next(f.recommendation for f in rep.findings if f.code == "accum.sync_every_micro_batch")
+
+    plain, olmo = fix(False), fix(True)
+    assert plain.where == "loop" and "model.set_requires_gradient_sync(is_last_micro_batch)" in plain.code, plain
+    assert olmo.where == "olmo_built" and not olmo.inputs, (olmo.where, olmo.inputs)
+    assert "train_module._train_microbatch_context = before_micro_batch" in olmo.code, olmo.code
+    assert "train_module.model.set_requires_gradient_sync(is_last_micro_batch)" in olmo.code, olmo.code

@@ -16,6 +16,7 @@ from rich.console import Console
 from conftest import HTA_TRACES
 from fsdp_doctor.pipeline import build_report
 from fsdp_doctor.present.fmt import fmt_bytes, fmt_ms
+from fsdp_doctor.records import LIGHTNING_DRIVER
 from fsdp_doctor.trace import steps_detail as STEPS_DETAIL
 from fsdp_doctor.present.terminal import render_report
 from fsdp_doctor.report_sections import Report, TraceUnitRow
@@ -805,7 +806,7 @@ def test_a_closure_step_and_a_profiler_stepping_mid_pass_keep_the_model_and_the_
 
     path = _closure_trace().write(tmp_path / "rank0.5.pt.trace.json.gz")
     w = load_window(path)
-    assert w.steps == [5, 6] and w.lightning, (w.steps, w.lightning)  # (its labels: Lightning's profiler's)
+    assert w.steps == [5, 6] and w.driver == LIGHTNING_DRIVER, (w.steps, w.driver)  # (its labels: Lightning's profiler's)
     # the logged loss's all-reduce the loop's, the clipping norm's the clipping's, in both steps (the optimizer's
     # before: "an optimizer that gathers whole matrices", on AdamW)
     assert [c.phase for c in w.calls if c.collective == "all_reduce"][:4] == [None, "grad_norm"] * 2

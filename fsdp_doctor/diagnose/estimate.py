@@ -240,9 +240,11 @@ def titan_trainer_driven(ctx: Context) -> bool:
 
 
 def olmo_driven(ctx: Context) -> bool:
-    """OLMo-core's Trainer drove the run (fsdp_doctor.olmo.DoctorCallback): its fixes go into the configs it builds
-    the train module from, or after that build (snippets.for_olmo)."""
-    return getattr(ctx.config, "driver", None) == OLMO_DRIVER
+    """OLMo-core's Trainer drove the run (fsdp_doctor.olmo.DoctorCallback, or a trace of its ProfilerCallback's: its
+    Python frames, ``OverlapRank.driver``): its fixes go into the configs it builds the train module from, or after
+    that build (snippets.for_olmo)."""
+    return getattr(ctx.config, "driver", None) == OLMO_DRIVER or any(
+        pr.driver == OLMO_DRIVER for pr in overlap(ctx).per_rank.values())
 
 
 def torchtune_recipe(ctx: Context) -> Optional[str]:

@@ -34,7 +34,6 @@ from typing import Callable, Optional, Union
 
 import numpy as np
 
-from ..records import LIGHTNING_DRIVER
 from ..report_sections import (Blocking, Breakdown, CommUnitRow, Copies, DeviceIdle, KernelStats, OverlapRank,
                                OverlapSection, SkippedFile)
 from . import intervals as iv
@@ -451,8 +450,7 @@ def _analyze_windows(windows: list[WindowTrace]) -> OverlapSection:
         pr.between_comm_ms_per_step = (pr.between_comm_ms_per_step or 0.0) + w.between_comm_us / 1e3
         if w.loader_us is not None:
             pr.dataloader_ms_per_step = (pr.dataloader_ms_per_step or 0.0) + w.loader_us / 1e3
-        if w.lightning:
-            pr.driver = LIGHTNING_DRIVER
+        pr.driver = pr.driver or w.driver
         pr.fsdp_host_ms_per_step = (pr.fsdp_host_ms_per_step or 0.0) + w.fsdp_host_us / 1e3
         if w.roots_per_forward is not None:
             pr.roots_per_forward = max(pr.roots_per_forward or 0.0, w.roots_per_forward)

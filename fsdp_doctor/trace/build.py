@@ -46,6 +46,7 @@ from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 import numpy as np
 
 from ..fsdp_labels import PREFIX, parse_label
+from ..records import LIGHTNING_DRIVER, OLMO_DRIVER
 from . import intervals as iv
 from .kernels import kernel_stats
 from .collectives import (_GLOO_NAMES_FOR, _bytes_from_msg, _bytes_from_shapes, _c10d_collective, _dtype_from_shapes,
@@ -235,10 +236,13 @@ def _stream_id(args) -> int:
         return -1
 
 
-_SPECIAL_FIRST = frozenset("FPeOcha[")  # first letters of the special names: a cheap test before startswith
+_SPECIAL_FIRST = frozenset("FPeOcha[o")  # first letters of the special names: a cheap test before startswith
 #: the start of Lightning's profiler labels (its PyTorchProfiler's record_functions: ``[pl][profile]run_training_batch``,
-#: ``[pl][module]...``): the Lightning Trainer drove the run (WindowTrace.lightning)
+#: ``[pl][module]...``): the Lightning Trainer drove the run (WindowTrace.driver)
 LIGHTNING_PREFIX = "[pl]["
+#: the start of the Python frames (with_stack's python_function events, ``olmo_core/train/trainer.py(761): fit``) of
+#: OLMo-core's training package: its Trainer drove the run (WindowTrace.driver), profiled by its ProfilerCallback
+OLMO_FRAME = "olmo_core/train/"
 #: the end of its label around the gradient clipping (``...LightningModule]MyModule.configure_gradient_clipping``),
 #: which its precision plugin runs inside optimizer.step(closure), after the closure: the clipping's, not the
 #: optimizer's (its norm's all-reduce read as "an optimizer that gathers whole matrices", on AdamW)
@@ -325,7 +329,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
     # only read where it matters, not for the bulk of operators.
     dmax = tmax = 0.0
     n_events = 0
-    lightning = False
+    driver = None
     for events in batches:  # one list, or a streamed trace's batches (each freed once read)
         n_events += len(events)
         for e in events:
@@ -405,13 +409,15 @@ def _build_window(path: Path, trace) -> WindowTrace:
                     if e.ts is not None and e.dur is not None:
                         norms.append((e.ts, e.dur))
                 elif n.startswith(LIGHTNING_PREFIX):
-                    lightning = True
+                    driver = LIGHTNING_DRIVER
                     if n.endswith(LIGHTNING_CLIPPING) and e.ts is not None and e.dur is not None:
                         clipping.append((e.ts, e.dur))
                 elif (c := e.cat) is not None and c != "Trace" and c != "gpu_user_annotation" and (
                         n.startswith("FSDP::") or n.startswith("ProfilerStep") or n.startswith(DATALOADER_PREFIX)
                         or n.startswith(OPTIMIZER_PREFIX)):
                     special_add(e)
+                elif driver is None and n.startswith(OLMO_FRAME):
+                    driver = OLMO_DRIVER
     events = e = None  # (the last batch: freed before the window is built)
     if not n_events:
         raise TraceError('no events ("traceEvents" is empty)')
@@ -471,7 +477,7 @@ def _build_window(path: Path, trace) -> WindowTrace:
                       backend=dist.backend if dist is not None else None,
                       clock_us=(trace.baseTimeNanoseconds or 0) / 1e3, roots_per_forward=roots_per_forward,
                       world_groups=all(g.pg_size in (None, world) for g in (dist.pg_config or [])) if dist else True,
-                      model_groups=_model_groups(dist, world), lightning=lightning)
+                      model_groups=_model_groups(dist, world), driver=driver)
     bounds = ws.bounds
     win.step_us = {n: e - a for n, (a, e) in bounds.items()}  # a kept step ends where the next starts
     if not from_optimizer:  # (steps cut at optimizer.step() calls hold one each)

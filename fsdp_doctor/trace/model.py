@@ -82,9 +82,11 @@ class WindowTrace:
     # the model's region but outside every unit's forward and backward is the loop's own (Lightning's
     # self.log(sync_dist=True) between forward and backward, a token count all-reduced between micro-batches)
     model_groups: bool = True
-    # Lightning's profiler labels in the trace (``[pl][profile]...``, ``[pl][module]...``: its PyTorchProfiler's
-    # record_functions): the Lightning Trainer drove the run, and the loop's code is its hooks and training_step
-    lightning: bool = False
+    # what drove the training loop, where the trace says (records.LIGHTNING_DRIVER: Lightning's profiler labels,
+    # ``[pl][profile]...``, ``[pl][module]...``, its PyTorchProfiler's record_functions, the loop's code its hooks and
+    # training_step; records.OLMO_DRIVER: OLMo-core's Trainer in the Python frames its ProfilerCallback records,
+    # with_stack being its default); None: the user's own loop, or a trace that does not say
+    driver: Optional[str] = None
     clock_us: float = 0.0  # add to a time to get µs since the epoch (baseTimeNanoseconds; 0: ts are absolute)
     kernels: dict = field(default_factory=dict)  # GPU: compute kernels by class (fsdp_doctor.trace.kernels)
     # per complete step (fsdp_doctor.trace.steps_detail): unit -> [forward µs, backward µs] from FSDP2's labels,
