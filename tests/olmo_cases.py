@@ -44,7 +44,12 @@ CASES = {
     "eval": {"eval_every": 3, "capacity_mib": 400},
     # no doctor: OLMo-core's own ProfilerCallback (a trace of steps 4-5, rank 0's), its trace's fixes pasted
     "profiled": {"profiler": True},
+    # HSDP on 4 ranks (2 replicas of 2 shards; the global batch one micro-batch a rank), 200 MiB: the unshard, the
+    # optimizer and ZeRO-2 fixes
+    "hsdp": {"replicas": 2, "capacity_mib": 200},
 }
+#: ranks a case runs on (others: 2)
+WORLD = {"hsdp": 4}
 #: the findings whose fixes a case's second run pastes, where not all: under blocks_tight's budget the accumulation
 #: fix's unsharded gradients (+8.5 MiB) bring checkpointing back (a trial's peak, all pasted: 88.4 MiB of 100)
 PASTED = {"blocks_tight": ("wrap.params_in_root", "ac.recommended"), "eval": ("eval.regather",)}
@@ -83,15 +88,17 @@ def eval_tokens_file(out: Path) -> Path:
 
 
 def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capacity_mib: float | None = None,
-          save_every: int | None = None, eval_every: int | None = None, profiler: bool = False, cfg_fix: str = "",
-          built_fix: str = "", trainer_fix: str = "", doctor: bool = True) -> tuple[float, list[str]]:
+          save_every: int | None = None, eval_every: int | None = None, profiler: bool = False,
+          replicas: int | None = None, cfg_fix: str = "", built_fix: str = "", trainer_fix: str = "",
+          doctor: bool = True) -> tuple[float, list[str]]:
     """One OLMo-core run recorded into ``out/name``, ``cfg_fix`` run with its train module's config built and
     ``built_fix`` with the train module built, ``trainer_fix`` with the Trainer built (each as a user pastes it);
     ``save_every``: its checkpointer's save interval, in steps (none: a save before the first step and after the
     last alone), its saves synchronous unless ``trainer_fix`` turns them asynchronous (then without the metric
     OLMo-core's race hangs on: ASYNC_SAVE_METRIC); ``eval_every``: its LM evaluator's interval, in steps (4 batches of
     a file of its own each time; none: no evaluation); ``profiler``: OLMo-core's ProfilerCallback, without the doctor
-    (its trace: ``profiler_trace``); ``doctor`` False: trained without the doctor.
+    (its trace: ``profiler_trace``); ``replicas``: HSDP over that many replicas (none: FSDP over all ranks);
+    ``doctor`` False: trained without the doctor.
     Returns the digest of the trained parameters (the sum of every full parameter, in float64) and what the doctor
     left on the Trainer after training (its attributes)."""
     import torch
@@ -115,7 +122,8 @@ def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capac
     model = TransformerConfig.olmo2_30M(vocab_size=tok.padded_vocab_size()).build(init_device="meta")
     train_module_config = TransformerTrainModuleConfig(
         rank_microbatch_size=4 * SEQ, max_sequence_length=SEQ, optim=AdamWConfig(lr=1e-3), max_grad_norm=1.0,
-        dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp, reduce_dtype=DType.float32,
+        dp_config=TransformerDataParallelConfig(name=DataParallelType.hsdp if replicas else DataParallelType.fsdp,
+                                                num_replicas=replicas, reduce_dtype=DType.float32,
                                                 wrapping_strategy=wrap),
         ac_config=TransformerActivationCheckpointingConfig(mode=ac) if ac else None)
     exec(compile(cfg_fix, "<the doctor's config fixes>", "exec"), {"train_module_config": train_module_config})
@@ -191,9 +199,9 @@ def run_case(name: str, out: Path) -> dict:
     dist.barrier()
     if traced:
         return {"digest": digest, **trace_outcome(out, name)}
-    steps = fsdp_doctor.load_run(out / name).ranks[rank].steps
-    return {"digest": digest, "left": left, "saved_steps": [s.step for s in steps if s.checkpoint_ms],
-            "async_saves": sum(s.async_saves for s in steps), **_outcome(out / name, rank)}
+    rd = fsdp_doctor.load_run(out / name).ranks[rank]
+    return {"digest": digest, "left": left, "saved_steps": [s.step for s in rd.steps if s.checkpoint_ms],
+            "async_saves": sum(s.async_saves for s in rd.steps), "mesh": rd.config.mesh, **_outcome(out / name, rank)}
 
 
 CLIENTS = {name: (lambda out, name=name: run_case(name, out))

@@ -146,6 +146,14 @@ def test_fixes_without_a_setting_go_on_the_built_model_or_say_where():
     S.for_olmo(zero2, "reshard.zero2_affordable")
     assert zero2.where == "olmo_built" and S.RESHARD_IN_CALLS not in zero2.code, zero2.code
     assert "train_module.model.get_submodule('blocks.0')" in zero2.code and "apply_fsdp reshards" in zero2.code
+    # renamed past 80 columns (OLMo-core's HSDP trial: 91), the calls on named units are a loop over their names
+    calls = "\n".join(f"model.get_submodule('blocks.{i}').set_reshard_after_forward(False, recurse=False)"
+                      for i in (3, 0))
+    long = Recommendation(text="", where="sharded", code="# keep them gathered\n" + calls)
+    S.for_olmo(long, "reshard.zero2_affordable")
+    assert long.code.endswith("# keep them gathered\nnames = ['blocks.3', 'blocks.0']\nfor name in names:\n"
+                              "    unit = train_module.model.get_submodule(name)\n"
+                              "    unit.set_reshard_after_forward(False, recurse=False)"), long.code
     compiled = Recommendation(text="", where="sharded", code=S.compile_code(S.Tree.of(_report()[0].config.units)))
     S.for_olmo(compiled, "kernels.launch_bound")
     assert compiled.code == "for block in train_module.model.blocks.children():\n    block.compile()  # in place, " \

@@ -2440,10 +2440,38 @@ def _names(code: str, name: str) -> bool:
 
 def renamed(code: str, names: dict[str, str]) -> list[str]:
     """``code``'s lines with each of ``names``' keys, a name of its own (not an attribute, not in a string), as its
-    value; comment lines as they were."""
+    value; comment lines as they were. Calls on named units that the longer name takes past 80 columns become a loop
+    over their names, as set_on_units writes it (``train_module.model.get_submodule('blocks.3').set_reshard_after_
+    forward(False, recurse=False)`` read 91, OLMo-core's HSDP trial)."""
     pattern = _own_names(names)
-    return [ln if ln.lstrip().startswith("#") else pattern.sub(lambda m: names[m.group(1)], ln)
-            for ln in code.splitlines()]
+    return _unit_calls_looped([ln if ln.lstrip().startswith("#") else pattern.sub(lambda m: names[m.group(1)], ln)
+                               for ln in code.splitlines()])
+
+
+_UNIT_CALL = re.compile(r"(\s*)(\S+)\.get_submodule\(('[^']*')\)\.(.+)")
+
+
+def _unit_calls_looped(lines: list[str]) -> list[str]:
+    """``lines`` with each run of the same call on named units (``X.get_submodule('n').call``, one a line, one
+    indentation) that has a line past 80 columns written as a loop over the names."""
+    out: list[str] = []
+    i = 0
+    while i < len(lines):
+        m = _UNIT_CALL.fullmatch(lines[i])
+        j = i + 1
+        while m and j < len(lines) and (n := _UNIT_CALL.fullmatch(lines[j])) and (
+                n.group(1, 2, 4) == m.group(1, 2, 4)):
+            j += 1
+        if m and any(len(ln) > 80 for ln in lines[i:j]):
+            pad, base, call = m.group(1), m.group(2), m.group(4)
+            loop = name_list("names", [ast.literal_eval(_UNIT_CALL.fullmatch(ln).group(3)) for ln in lines[i:j]],
+                             80 - len(pad))
+            loop += f"\nfor name in names:\n    unit = {base}.get_submodule(name)\n    unit.{call}"
+            out += [pad + ln for ln in loop.splitlines()]
+        else:
+            out += lines[i:j]
+        i = j
+    return out
 
 
 #: where a fix goes -> where it goes in a torchtune recipe (the user's copy of it): its _setup_model shards the model
