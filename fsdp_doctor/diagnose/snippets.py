@@ -1342,7 +1342,8 @@ def set_on_units(names: Iterable[str], call: str, loop_over: int = 6, width: int
     # (a loop too where a line would pass 80 columns: an HF layer's
     # "model.get_submodule('model.layers.1').set_reshard_after_forward(False, recurse=False)" read 85)
     if len(mods) > loop_over or any(len(f"{module_expr(m)}.{call}") > width for m in mods):
-        return name_list("names", mods, width) + f"\nfor name in names:\n    unit = model.get_submodule(name)\n    unit.{call}"
+        return (name_list("names", mods, width)
+                + f"\nfor name in names:\n    unit = model.get_submodule(name)\n    unit.{call}")
     return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
 
 
@@ -2154,7 +2155,8 @@ def trainer_gathered_for_evaluation(restore: list[str]) -> str:
 def olmo_gathered_for_evaluation(restore: list[str]) -> str:
     """gathered_around_evaluation for the evaluations OLMo-core's evaluator callbacks run in its Trainer's steps
     (``EvaluatorCallback.perform_eval``, at its eval_interval), which no code of the user's surrounds: each one's
-    perform_eval wrapped on the built Trainer, the wrapped method bound as a default (as olmo_micro_batch's)."""
+    perform_eval wrapped on the built Trainer (the method it wraps passed in, not looked up when called: pasted
+    twice, the second wraps the first)."""
     end = textwrap.indent(_after_evaluation(restore, width=76), " " * 4)
     return ("from olmo_core.train.callbacks import EvaluatorCallback\n\n"
             "model = trainer.train_module.model\n\n\n"

@@ -74,7 +74,8 @@ class CheckpointBlocking(Rule):
         if setup and (rest := (c.ms_total - setup) / (c.wall_ms_total - setup)) < SHARE_NOTE:
             return self.quiet(f"checkpoint saves take {fmt_share(share, 1)} of the recorded time (rank {rank}), "
                               f"{setup:.0f} ms of it the first save's excess over "
-                              f"{'the other' if counted_saves(c) == 2 else 'the median'} (set-up, once a process); the others {fmt_share(rest, 1, SHARE_NOTE)} "
+                              f"{'the other' if counted_saves(c) == 2 else 'the median'} (set-up, once a process); "
+                              f"the others {fmt_share(rest, 1, SHARE_NOTE)} "
                               f"(fires from {100 * SHARE_NOTE:.0f}%)")
         steps = c.counted_steps or len(ctx.run.ranks[rank].steps)
         every = save_interval(c)
