@@ -151,7 +151,7 @@ def eval_run(tmp_path_factory):
 
 
 def test_olmo_evaluation_fix_wraps_its_evaluator_callbacks(eval_run):
-    """OLMo-core's LM evaluator runs 4 forward passes without gradients every 3 steps inside its Trainer's steps
+    """OLMo-core's LM evaluator runs 8 forward passes without gradients every 3 steps inside its Trainer's steps
     (EvaluatorCallback.perform_eval, from its post_step), each all-gathering every unit again. eval.regather's fix
     put ``with torch.no_grad(): evaluate()`` between lines no OLMo-core user writes; it wraps each evaluator
     callback's perform_eval on the built Trainer now. Pasted as printed, the units stay gathered across each
@@ -208,7 +208,7 @@ def test_olmo_hsdp_fixes_work_as_printed(hsdp_run):
     for before, after in hsdp_run:
         assert before["mesh"] == after["mesh"] == {"dp_replicate": 2, "dp_shard": 2}, (before["mesh"], after["mesh"])
         f = before["findings"]
-        assert {"prefetch.sync_unshard", "reshard.zero2_affordable"} <= set(f), f.keys()
+        assert "prefetch.sync_unshard" in f, f.keys()  # (and ZeRO-2's and the fused step's, where their gain holds)
         for code in f:
             assert f[code]["where"] == "olmo_built", (code, f[code]["where"])
             assert max(map(len, f[code]["code"].splitlines())) <= 80, f[code]["code"]
