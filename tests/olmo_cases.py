@@ -26,7 +26,7 @@ OLMO_SITE = Path(os.environ.get("FSDP_DOCTOR_OLMO_SITE", ROOT / ".venv" / "olmo"
 import torch.distributed as dist
 
 import fsdp_doctor
-from recorder_cases import _outcome
+from recorder_cases import _outcome, report_findings
 
 #: optimizer steps a run (the doctor's profiler window: steps 6-7), sequence length, micro-batches a step
 STEPS, SEQ, MICRO = 10, 128, 2
@@ -170,14 +170,10 @@ def profiler_trace(out: Path, name: str) -> Path:
 
 
 def trace_outcome(out: Path, name: str) -> dict:
-    """Run ``name``'s trace read back: its findings (severity, where the fix goes, the fix, its inputs), the quiet
-    rules' reasons, what drove it by the trace."""
+    """Run ``name``'s trace read back: its findings and quiet rules (recorder_cases.report_findings), what drove it
+    by the trace."""
     rep = fsdp_doctor.build_report(fsdp_doctor.load_run(profiler_trace(out, name)))
-    return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
-                                  "code": f.recommendation.code, "inputs": f.recommendation.inputs}
-                         for f in rep.findings},
-            "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
-            "drivers": sorted({str(pr.driver) for pr in rep.overlap.per_rank.values()})}
+    return {**report_findings(rep), "drivers": sorted({str(pr.driver) for pr in rep.overlap.per_rank.values()})}
 
 
 def run_case(name: str, out: Path) -> dict:

@@ -663,19 +663,24 @@ def run_trainer_gc(out: Path) -> dict:
     return res
 
 
+def report_findings(rep) -> dict:
+    """A report's findings (severity, where the fix goes, the fix, its text, inputs and prediction) and the quiet
+    rules' reasons."""
+    return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
+                                  "code": f.recommendation.code, "text": f.recommendation.text,
+                                  "inputs": f.recommendation.inputs,
+                                  "predicted": msgspec.to_builtins(f.predicted) if f.predicted else None}
+                         for f in rep.findings},
+            "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"}}
+
+
 def _outcome(path: Path, rank: int) -> dict:
     """A fix case's run read back: its findings (severity, where the fix goes, the fix, its text and prediction),
     the quiet rules' reasons, the peak, each unit's checkpointing and reduction dtypes, the rank's step statistics
     and the steps it collected in with the collector off."""
     run = fsdp_doctor.load_run(path)
     rep = fsdp_doctor.build_report(run)
-    return {"findings": {f.code: {"severity": f.severity, "where": f.recommendation.where,
-                                  "code": f.recommendation.code, "text": f.recommendation.text,
-                                  "inputs": f.recommendation.inputs,
-                                  "predicted": msgspec.to_builtins(f.predicted) if f.predicted else None}
-                         for f in rep.findings},
-            "quiet": {s.code: s.reason for s in rep.rules if s.status == "quiet"},
-            "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
+    return {**report_findings(rep), "peak": rep.memory.peak_bytes, "sharded_by": run.ranks[rank].config.sharded_by,
             "step_stats": msgspec.to_builtins(rep.steps.per_rank.get(str(rank))),
             # [step, collections] where the rank collected with the collector off (a Trainer callback's collection
             # at the end of global_step N, after the doctor's own callback ended that step, is counted in the next

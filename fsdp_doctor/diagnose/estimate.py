@@ -218,11 +218,17 @@ def lightning_accumulate(ctx: Context) -> int | None:
     return max(1, round(statistics.median(counted))) if counted else None
 
 
+def _driven_by(ctx: Context, driver: str) -> bool:
+    """``driver`` drove the run: the records say so (``RunConfig.driver``), or a rank's trace (``OverlapRank.driver``,
+    from its labels or Python frames)."""
+    return getattr(ctx.config, "driver", None) == driver or any(
+        pr.driver == driver for pr in overlap(ctx).per_rank.values())
+
+
 def lightning_driven(ctx: Context) -> bool:
     """PyTorch Lightning's Trainer drove the run: a watched LightningModule attached to one, or a trace of its own
     profiler's (its labels, ``OverlapRank.driver``)."""
-    return getattr(ctx.config, "driver", None) == LIGHTNING_DRIVER or any(
-        pr.driver == LIGHTNING_DRIVER for pr in overlap(ctx).per_rank.values())
+    return _driven_by(ctx, LIGHTNING_DRIVER)
 
 
 def dataloader_ms(ctx: Context, rank) -> Optional[float]:
@@ -243,8 +249,7 @@ def olmo_driven(ctx: Context) -> bool:
     """OLMo-core's Trainer drove the run (fsdp_doctor.olmo.DoctorCallback, or a trace of its ProfilerCallback's: its
     Python frames, ``OverlapRank.driver``): its fixes go into the configs it builds the train module from, or after
     that build (snippets.for_olmo)."""
-    return getattr(ctx.config, "driver", None) == OLMO_DRIVER or any(
-        pr.driver == OLMO_DRIVER for pr in overlap(ctx).per_rank.values())
+    return _driven_by(ctx, OLMO_DRIVER)
 
 
 def torchtune_recipe(ctx: Context) -> Optional[str]:

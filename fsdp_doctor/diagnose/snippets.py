@@ -1335,16 +1335,22 @@ def set_on_units(names: Iterable[str], call: str, loop_over: int = 6, width: int
     trials)."""
     mods = [members(n)[0] for n in names]
     if any(strip_ckpt(m) != m for m in mods):
-        return (name_list("names", [strip_ckpt(m) for m in mods], width) + "\nfor name in names:\n"
-                "    unit = model.get_submodule(name)\n"
-                "    unit = getattr(unit, '_checkpoint_wrapped_module', unit)  # inside a checkpoint wrapper\n"
-                f"    unit.{call}")
+        return units_loop([strip_ckpt(m) for m in mods], call, width=width, inside_wrapper=True)
     # (a loop too where a line would pass 80 columns: an HF layer's
     # "model.get_submodule('model.layers.1').set_reshard_after_forward(False, recurse=False)" read 85)
     if len(mods) > loop_over or any(len(f"{module_expr(m)}.{call}") > width for m in mods):
-        return (name_list("names", mods, width)
-                + f"\nfor name in names:\n    unit = model.get_submodule(name)\n    unit.{call}")
+        return units_loop(mods, call, width=width)
     return "\n".join(f"{module_expr(m)}.{call}" for m in mods)
+
+
+def units_loop(names: list[str], call: str, base: str = "model", width: int = 80,
+               inside_wrapper: bool = False) -> str:
+    """``<call>`` on each unit of ``base`` that ``names`` names, as a loop over the names wrapped to ``width``
+    columns (``inside_wrapper``: each reached inside its CheckpointWrapper, where it has one)."""
+    return (name_list("names", names, width) + f"\nfor name in names:\n    unit = {base}.get_submodule(name)\n"
+            + ("    unit = getattr(unit, '_checkpoint_wrapped_module', unit)  # inside a checkpoint wrapper\n"
+               if inside_wrapper else "")
+            + f"    unit.{call}")
 
 
 def repoint_optimizer() -> str:
@@ -2465,10 +2471,9 @@ def _unit_calls_looped(lines: list[str]) -> list[str]:
                 n.group(1, 2, 4) == m.group(1, 2, 4)):
             j += 1
         if m and any(len(ln) > 80 for ln in lines[i:j]):
-            pad, base, call = m.group(1), m.group(2), m.group(4)
-            loop = name_list("names", [ast.literal_eval(_UNIT_CALL.fullmatch(ln).group(3)) for ln in lines[i:j]],
-                             80 - len(pad))
-            loop += f"\nfor name in names:\n    unit = {base}.get_submodule(name)\n    unit.{call}"
+            pad = m.group(1)
+            loop = units_loop([ast.literal_eval(_UNIT_CALL.fullmatch(ln).group(3)) for ln in lines[i:j]], m.group(4),
+                              base=m.group(2), width=80 - len(pad))
             out += [pad + ln for ln in loop.splitlines()]
         else:
             out += lines[i:j]
