@@ -11,7 +11,8 @@ A case: ``python tests/olmo_cases.py CASE RANK WORLD PORT OUT`` (tests/test_olmo
 ``CASE_fixed`` in the same OUT: each RESULT is the run's outcome (recorder_cases._outcome) and a digest of the trained
 parameters, the second run's with the fixes the first's diagnosis printed pasted where they say: the config settings
 before the train module is built (``train_module_config``), the rest after (``train_module``) or, on its
-checkpointer, after the Trainer is built (``trainer``)."""
+checkpointer, after the Trainer is built (``trainer``). ``pipeline``: its pipeline-parallel train module, which the
+callback refuses in one line."""
 
 from __future__ import annotations
 
@@ -96,9 +97,9 @@ def train(out: Path, name: str, wrap: str = "full", ac: str | None = None, capac
     ``save_every``: its checkpointer's save interval, in steps (none: a save before the first step and after the
     last alone), its saves synchronous unless ``trainer_fix`` turns them asynchronous (then without the metric
     OLMo-core's race hangs on: ASYNC_SAVE_METRIC); ``eval_every``: its LM evaluator's interval, in steps (8 batches of
-    a file of its own each time, all of it; none: no evaluation); ``profiler``: OLMo-core's ProfilerCallback, without the doctor
-    (its trace: ``profiler_trace``); ``replicas``: HSDP over that many replicas (none: FSDP over all ranks);
-    ``doctor`` False: trained without the doctor.
+    a file of its own each time, all of it; none: no evaluation); ``profiler``: OLMo-core's ProfilerCallback, without
+    the doctor (its trace: ``profiler_trace``); ``replicas``: HSDP over that many replicas (none: FSDP over all
+    ranks); ``doctor`` False: trained without the doctor.
     Returns the digest of the trained parameters (the sum of every full parameter, in float64) and what the doctor
     left on the Trainer after training (its attributes)."""
     import torch
@@ -200,8 +201,56 @@ def run_case(name: str, out: Path) -> dict:
             "async_saves": sum(s.async_saves for s in rd.steps), "mesh": rd.config.mesh, **_outcome(out / name, rank)}
 
 
+def pipeline_refusal(out: Path) -> dict:
+    """OLMo-core's pipeline-parallel train module (2 stages over the 2 ranks, its custom interleaved 1F1B schedule)
+    built and its Trainer's callbacks started as ``fit()`` starts them; training itself is not run (its schedule
+    needs CUDA streams). Returns what the doctor said (its log lines), whether it watches, and what it wrote."""
+    import logging
+
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.distributed.parallel import DataParallelType
+    from olmo_core.distributed.parallel.pipeline_parallel import PipelineScheduleType
+    from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+    from olmo_core.train.train_module.transformer.config import TransformerPipelineParallelConfig
+
+    from fsdp_doctor.olmo import DoctorCallback
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    tok = TokenizerConfig(vocab_size=2000, eos_token_id=1, pad_token_id=0)
+    model = TransformerConfig.olmo2_30M(vocab_size=tok.padded_vocab_size()).build(init_device="meta")
+    train_module = TransformerTrainModuleConfig(
+        rank_microbatch_size=4 * SEQ, max_sequence_length=SEQ, optim=AdamWConfig(lr=1e-3),
+        dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp),
+        pp_config=TransformerPipelineParallelConfig(degree=world, use_custom_stage_implementation=True,
+                                                    schedule=PipelineScheduleType.custom_interleaved_1F1B),
+    ).build(model)
+    dataset = NumpyFSLDatasetConfig(paths=[str(tokens_file(out))], sequence_length=SEQ, tokenizer=tok,
+                                    work_dir=str(out / "work")).build()
+    loader = NumpyDataLoaderConfig(global_batch_size=8 * MICRO * SEQ, seed=0, num_workers=0).build(
+        dataset, dp_process_group=train_module.dp_process_group)
+    trainer = TrainerConfig(save_folder=str(out / "save_pipeline"), save_overwrite=True,
+                            max_duration=Duration.steps(STEPS)).build(train_module, loader)
+    callback = DoctorCallback(out_dir=str(out / "pipeline"))
+    trainer.add_callback("fsdp_doctor", callback)
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("fsdp_doctor").addHandler(handler)
+    try:
+        callback.pre_train()
+    finally:
+        logging.getLogger("fsdp_doctor").removeHandler(handler)
+    return {"said": said, "watching": callback.doctor is not None, "wrote": (out / "pipeline").exists(),
+            "parts": len(train_module.model_parts)}
+
+
 CLIENTS = {name: (lambda out, name=name: run_case(name, out))
            for case in CASES for name in (case, f"{case}_fixed", f"{case}_plain")}
+CLIENTS["pipeline"] = pipeline_refusal
 
 
 if __name__ == "__main__":

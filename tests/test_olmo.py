@@ -217,3 +217,16 @@ def test_olmo_hsdp_fixes_work_as_printed(hsdp_run):
         _no_new_warning(before, after)
         _within_predicted(before, after)
         assert after["digest"] == pytest.approx(before["digest"], rel=DIGEST_RTOL), (before["digest"], after["digest"])
+
+
+def test_olmo_pipeline_parallelism_is_refused_in_one_line(tmp_path):
+    """OLMo-core's pipeline-parallel train module holds a model part per stage and an optimizer per part; watching it
+    read "fsdp_doctor: AttributeError: 'TransformerPipelineTrainModule' object has no attribute 'optim'". Now the
+    callback says in one line why it steps aside, writes nothing, and leaves training to OLMo-core."""
+    if not (OLMO_SITE / "olmo_core").is_dir():
+        pytest.skip(f"OLMo-core is not installed in {OLMO_SITE} (make setup installs it)")
+    for got in _launch("pipeline", 2, tmp_path, script="olmo_cases.py")[0]:
+        assert got["parts"] == 2 and not got["watching"] and not got["wrote"], got
+        assert got["said"] == ["fsdp_doctor: this OLMo-core job runs pipeline parallelism "
+                               "(TransformerPipelineTrainModule, 2 model parts on this rank), and the doctor watches "
+                               "one FSDP model and its loop; OLMo-core trains without fsdp_doctor"], got["said"]

@@ -14,8 +14,8 @@ checkpoint saves are timed as ``doctor.checkpointing()`` times one (an asynchron
 for), by wrapping this Trainer's ``save_checkpoint`` and ``save_checkpoint_async`` while it watches; nothing of it
 remains on the Trainer after.
 
-Training never depends on the doctor: a refusal (no FSDP2 unit in the model, ``out_dir`` holding another run) is one
-log line and training goes on unwatched.
+Training never depends on the doctor: a refusal (no FSDP2 unit in the model, ``out_dir`` holding another run,
+pipeline parallelism) is one log line and training goes on unwatched.
 """
 
 from __future__ import annotations
@@ -49,6 +49,19 @@ def tokens_per_step(trainer) -> int | None:
         return None
 
 
+def stays_out(module) -> str | None:
+    """Why the doctor cannot watch this train module (None: it can): pipeline parallelism, whose train module holds
+    a model part per stage and an optimizer per part (``model_parts``, ``optimizers``) and runs the schedule's
+    micro-batches across ranks; the doctor watches one FSDP model and its loop."""
+    parts = getattr(module, "model_parts", None)
+    if getattr(module, "pp_enabled", False) or (parts is not None and len(parts) != 1) \
+            or (not hasattr(module, "optim") and hasattr(module, "optimizers")):
+        count = "" if parts is None else f", {len(parts)} model part{'s' * (len(parts) != 1)} on this rank"
+        return (f"this OLMo-core job runs pipeline parallelism ({type(module).__name__}{count}), and the doctor "
+                "watches one FSDP model and its loop")
+    return None
+
+
 class DoctorCallback(Callback):
     """Records an OLMo-core ``Trainer``'s FSDP2 training with fsdp_doctor; ``options`` are
     :func:`fsdp_doctor.watch`'s (``out_dir`` required; ``tokens_per_step`` defaults to the data loader's global
@@ -70,6 +83,9 @@ class DoctorCallback(Callback):
         options = self.options
         if options.tokens_per_step is None and (tokens := tokens_per_step(trainer)):
             options = dataclasses.replace(options, tokens_per_step=tokens)
+        if (why := stays_out(module)) is not None:
+            log.warning("fsdp_doctor: %s; OLMo-core trains without fsdp_doctor", why)
+            return
         try:
             doctor = Doctor(module.model, module.optim, options)
             doctor.driver = OLMO_DRIVER
@@ -119,4 +135,4 @@ class DoctorCallback(Callback):
                 doctor.__exit__(type(exc), exc, exc.__traceback__)
 
 
-__all__ = ["DoctorCallback", "tokens_per_step"]
+__all__ = ["DoctorCallback", "stays_out", "tokens_per_step"]
