@@ -97,7 +97,7 @@ COMPILE_TREE := $(VPY) -m compileall -q -j 0 fsdp_doctor dashboards tests benchm
 # registry has (accelerate 1.16 sharded a checkpointed layer's wrapper where 1.15 sharded the layer inside it: CI
 # installed it overnight and three Trainer tests failed, with nothing in the log to say which accelerate it was)
 VERSIONS := $(VPY) -c "import importlib.metadata as m; print('versions:', ', '.join(f'{n} {m.version(n)}' for n in \
-  ('torch', 'transformers', 'accelerate', 'dash', 'plotly')))"
+  ('torch', 'transformers', 'accelerate', 'diffusers', 'dash', 'plotly')))"
 
 # `make test`: the suite but its long tier (tests marked `long`, tests/conftest.py: the scenario matrix, the other
 # fixes pasted and rerun, torchtitan, the HF Trainer, accelerate's plugin, the browser), within the 15 minutes it is

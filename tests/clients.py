@@ -560,10 +560,51 @@ def bert():
 MASK_ID = 1  # BERT's [MASK] in the tiny vocabulary (ids 2.. are words)
 
 
+# (wt-flux) a diffusion transformer, diffusers' Flux (FluxTransformer2DModel): two block lists one after the other,
+# transformer_blocks.N (double-stream: image and text tokens each their own weights, one joint attention) and
+# single_transformer_blocks.N, then norm_out (adaptive, from the time and pooled-text embedding) and proj_out; its
+# leading modules x_embedder, context_embedder and time_text_embed; trained with flow matching on image latents
+FLUX_LATENT, FLUX_TEXT = (8, 8), 16  # latent patches (height x width) and text tokens per sample
+
+
+def flux():
+    from diffusers import FluxTransformer2DModel
+
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=4,
+                                  attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                                  pooled_projection_dim=32, axes_dims_rope=(4, 6, 6))
+
+
+def flux_loss(model, g: torch.Generator, batch_size: int, device):
+    """Flow matching (rectified flow), as diffusers' Flux training scripts: latents moved towards noise by a
+    random time t per sample, the model predicting the velocity noise - latents."""
+    (h, w), n = FLUX_LATENT, batch_size
+    img_ids = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(h).float(), torch.arange(w).float(),
+                                         indexing="ij"), -1).reshape(-1, 3)
+    latents, noise = torch.randn(2, n, h * w, 16, generator=g)
+    t = torch.rand(n, generator=g)
+    noisy = (1 - t[:, None, None]) * latents + t[:, None, None] * noise
+    text, pooled = torch.randn(n, FLUX_TEXT, 32, generator=g), torch.randn(n, 32, generator=g)
+    pred = model(hidden_states=noisy.to(device), encoder_hidden_states=text.to(device),
+                 pooled_projections=pooled.to(device), timestep=t.to(device), img_ids=img_ids.to(device),
+                 txt_ids=torch.zeros(FLUX_TEXT, 3, device=device), return_dict=False)[0]
+    return F.mse_loss(pred.float(), (noise - latents).to(device))
+
+
+def shard_flux_double_only(model, mesh):
+    """A Flux user's fully_shard over its double-stream blocks alone (the single-stream ones, after them, left in the
+    root with the embedders and the output layers), then the root."""
+    for block in model.transformer_blocks:
+        fully_shard(block, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
             "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",
-            "BertForMaskedLM": "bert", "GPTNeoXForCausalLM": "neox"}.get(type(model).__name__, "")
+            "BertForMaskedLM": "bert", "GPTNeoXForCausalLM": "neox",
+            "FluxTransformer2DModel": "flux"}.get(type(model).__name__, "")
 
 
 def arch_blocks(model) -> list:
@@ -579,6 +620,8 @@ def arch_blocks(model) -> list:
         return list(model.bert.encoder.layer)
     if kind == "neox":
         return list(model.gpt_neox.layers)
+    if kind == "flux":
+        return list(model.transformer_blocks) + list(model.single_transformer_blocks)
     return list(model.model.layers) if kind == "mixtral" else []
 
 
@@ -597,6 +640,8 @@ def arch_ends(model):
         return [emb.position_embeddings, emb.token_type_embeddings, emb.LayerNorm], [model.cls.predictions.transform]
     if kind == "neox":
         return [model.gpt_neox.embed_in], [model.gpt_neox.final_layer_norm, model.lm_head]
+    if kind == "flux":
+        return [model.x_embedder, model.context_embedder, model.time_text_embed], [model.norm_out, model.proj_out]
     return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
 
 
@@ -623,6 +668,8 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
     """The user's loss on an architecture tree (None for other trees): T5 from source and target tokens (the
     decoder's inputs are the targets shifted right), ViT from images."""
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+    if client.startswith("flux"):
+        return flux_loss(model, g, size[0], device)
     if client.startswith("vit"):
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(pixel_values=x.to(device)).logits, y.to(device))
@@ -641,9 +688,10 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
 
 
 ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "gpt2_wide": gpt2_wide, "bert": bert,
-              "neox": neox}
+              "neox": neox, "flux": flux}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only,
-              "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate")}
+              "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate"),
+              "flux_double_only": shard_flux_double_only}
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
 
@@ -839,6 +887,9 @@ def checkpoint_blocks(model, how: str):
 
     if how == "block" and hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+    if how == "block" and hasattr(model, "enable_gradient_checkpointing"):  # diffusers' (each block, non-reentrant)
+        model.enable_gradient_checkpointing()
         return model
     blocks = {id(b) for b in _blocks(model)}
     for parent in list(model.modules()):
@@ -1039,7 +1090,7 @@ def train_scenario(row: dict) -> tuple[list[float], float]:
     losses = []
     held: dict = {}  # what the user's loop keeps between steps (row["loop"])
     watch = dict(row.get("watch", {}))
-    if not tree.startswith(("resnet", "vit")):  # tokens per optimizer step, all ranks (throughput, FLOPs)
+    if not tree.startswith(("resnet", "vit", "flux")):  # tokens per optimizer step, all ranks (throughput, FLOPs)
         watch.setdefault("tokens_per_step", cfg.batch_size * cfg.seq_len * cfg.grad_accum * dist.get_world_size())
     if isinstance(watch.get("profile"), dict):  # a window (JSON spec): ProfileSchedule's fields
         watch["profile"] = fsdp_doctor.ProfileSchedule(**watch["profile"])

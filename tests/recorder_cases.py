@@ -810,20 +810,22 @@ def run_accelerate_fixes(out: Path) -> dict:
     built, before prepare(). The plugin's checkpointing under an 8 GiB budget, rerun with ac.unneeded's fix;
     mixed_precision="bf16" (its policy reduces in bfloat16), rerun with numerics.reduce_dtype's fix; a Llama whose
     activations dominate (width 128, 256 tokens a sequence) under a budget 5% above its peak, rerun with
-    ac.recommended's fix; no wrap policy (the decoder layers left in the root), rerun with wrap.params_in_root's
-    fix; AdamW's foreach step at a peak 5% under its budget, rerun with optim.foreach_temporaries' fix, which goes on
+    ac.recommended's fix; no wrap policy (the decoder layers left in the root; and a diffusers Flux's two block
+    lists), rerun with wrap.params_in_root's fix; AdamW's foreach step at a peak 5% under its budget, rerun with optim.foreach_temporaries' fix, which goes on
     the optimizer prepare() returned (accelerate's wrapper). Each run: 5 steps of one micro-batch; the report's
     findings as in run_trainer_fixes."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
     from transformers import LlamaForCausalLM
 
+    import clients
+
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     res = {}
 
     def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ,
-            wrap="transformer_based_wrap", foreach=None, layers=2):
+            wrap="transformer_based_wrap", foreach=None, layers=2, flux=False):
         AcceleratorState._reset_state()  # a new Accelerator per run (the process group stays)
         acc = Accelerator(cpu=True, mixed_precision=mixed)
         plugin = FullyShardedDataParallelPlugin(
@@ -833,8 +835,8 @@ def run_accelerate_fixes(out: Path) -> dict:
             plugin.set_mixed_precision(mixed)
         force_fsdp(acc.state, plugin)
         torch.manual_seed(0)
-        model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq),
-                                              num_hidden_layers=layers))
+        model = clients.flux() if flux else LlamaForCausalLM(llama_config(
+            width, max_position_embeddings=max(2 * SEQ, seq), num_hidden_layers=layers))
         on_opt = fix is not None and "optimizer.param_groups" in fix  # (where "optimizer": after prepare)
         if fix and not on_opt:  # where it says: with the Accelerator built, before accelerator.prepare(model)
             exec(compile(fix, f"<{name} fix>", "exec"), {"accelerator": acc, "model": model})
@@ -844,8 +846,12 @@ def run_accelerate_fixes(out: Path) -> dict:
         data = _Tokens(STEPS * 2, 0, seq=seq)
         with fsdp_doctor.watch(model, opt, out_dir=str(out / name), profile=False, capacity_bytes=capacity) as doc:
             for step in range(STEPS):
-                tok = torch.stack([data[2 * step + i]["input_ids"] for i in range(2)])
-                acc.backward(model(input_ids=tok, labels=tok).loss)
+                if flux:  # (diffusers' Flux, trained by flow matching on image latents: tests/clients.py)
+                    g = torch.Generator().manual_seed(1000 * step + 10 * rank)
+                    acc.backward(clients.flux_loss(model, g, 2, None))
+                else:
+                    tok = torch.stack([data[2 * step + i]["input_ids"] for i in range(2)])
+                    acc.backward(model(input_ids=tok, labels=tok).loss)
                 opt.step()
                 opt.zero_grad()
                 doc.step()
@@ -858,6 +864,8 @@ def run_accelerate_fixes(out: Path) -> dict:
                                   ("tight", "ac.recommended", {"width": 128, "seq": 256}),
                                   # no wrap policy: the decoder layers stay in the root
                                   ("nowrap", "wrap.params_in_root", {"wrap": "no_wrap"}),
+                                  # diffusers' Flux, no wrap policy: both block lists in the root
+                                  ("flux_nowrap", "wrap.params_in_root", {"wrap": "no_wrap", "flux": True}),
                                   # AdamW foreach (CUDA's default; asked for on the CPU), 8 layers: the step is the
                                   # peak (with 2, a layer gathered in backward and its gradients are more)
                                   ("tight_foreach", "optim.foreach_temporaries",

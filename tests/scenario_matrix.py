@@ -423,6 +423,19 @@ ARCH_ROWS: list[Row] = [
        "each layer's experts a unit, FSDP's implicit prefetch on gloo, 4 micro-batches of 16 tokens",
        user_shard="moe_experts", knobs=GATHER_BOUND, min_severity="info", gpu_gain=True),
 ]
+# (wt-flux) diffusers' Flux (tests/clients.py flux: two block lists one after the other). A new-user trial wrapped
+# its double-stream blocks alone: the root kept the single-stream ones (48% of the parameters) and
+# wrap.params_in_root stayed quiet, "would lower the peak by 0 B": its peak model read the blocks after the wrapped
+# ones as one trailing unit kept gathered after forward; its plan pasted lowered the peak 99.53 -> 95.38 MiB
+ARCH_ROWS += [
+    _r("flux_tuned", "flux", None, "expert plan: [x, context, time embedders], each block of both lists, "
+       "[norm_out, proj_out], root"),
+    _r("flux_double_only", "flux", "wrap.params_in_root", "its double-stream blocks and the root only",
+       user_shard="flux_double_only"),
+    _r("flux_whole", "flux", "wrap.too_coarse", "one unit: fully_shard(model)", knobs={"wrap": "whole"}),
+    _r("flux_ac_ample", "flux", "ac.unneeded", "diffusers' enable_gradient_checkpointing(), 8 GiB budget",
+       knobs={"ac": "block"}, watch=AMPLE, min_severity="info", figure="checkpointed_units"),
+]
 ROWS += ARCH_ROWS
 
 # (wt-gpt2) GPT-2 (Conv1D layers, learned position embeddings, lm_head tied to wte) and BERT for masked language

@@ -201,6 +201,18 @@ def test_params_in_root_fix_keeps_the_experts_units(matrix):
     assert "fully_shard(model.model.embed_tokens, mesh=mesh)" in code, code
 
 
+@pytest.mark.rows("flux_double_only", "flux_whole")
+def test_flux_plans_cover_both_block_lists(matrix):
+    """diffusers' Flux runs its single-stream blocks after its double-stream ones. Wrapped by the first list alone,
+    a new-user trial's root held the second (48% of the parameters) and wrap.params_in_root stayed quiet, "would
+    lower the peak by 0 B": its peak model read those blocks as one trailing unit kept gathered after forward. Each
+    plan makes every block of both lists a unit (the rows' reruns check the peak each predicts)."""
+    for row in ("flux_double_only", "flux_whole"):
+        code = _code(matrix, row)
+        for c in ("transformer_blocks", "single_transformer_blocks"):
+            assert f"for block in model.{c}.children():" in code, (row, code)
+
+
 # ------------------------------------------------------------------------------------------------ prefetch order
 def _run_order(report) -> tuple[list[str], list[str]]:
     """The non-root units in the order a rank's memory timeline marked their forward and backward starting (the

@@ -464,7 +464,7 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
     pasted as printed, each rerun drops its finding, has no new warning, and peaks as predicted within 10%
     (float32 reduction: +9% here, one micro-batch a step; checkpointing: the recompute gathers each layer again,
     its wrapper being outside the unit); and no wrap policy, rerun with the plugin's transformer-based one
-    (_wrap_fix)."""
+    (_wrap_fix; and on a diffusers Flux)."""
     for res in accelerate_fixes_run:
         _, after, f = _plugin_fix(res, "fsdp_ample", "ac.unneeded", "accelerate")
         assert "accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"], f["code"]
@@ -477,6 +477,12 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
         assert "accelerator.state.fsdp_plugin.activation_checkpointing = True" in f["code"], f["code"]
         assert after["peak"] < 0.85 * before["peak"], (after["peak"], before["peak"])
         _wrap_fix(res, "accelerate")
+        # diffusers' Flux: both of its block lists' classes (its _no_split_modules); without a policy the root held
+        # them all and the rule stayed quiet ("would lower the peak by 0 B": a new-user trial)
+        before, after, f = _plugin_fix(res, "flux_nowrap", "wrap.params_in_root", "accelerate")
+        assert "['FluxTransformerBlock', 'FluxSingleTransformerBlock']" in f["code"], f["code"]
+        assert {u[0].rsplit(".", 1)[0] for u in after["units"] if u[0][-1:].isdigit()} == {
+            "transformer_blocks", "single_transformer_blocks"}, after["units"]
         # on the optimizer prepare() returned: its param_groups and state are the AdamW's inside
         before, after, f = fixed_pair(res, "tight_foreach", "optim.foreach_temporaries", "optimizer", "accelerate")
         assert "group['foreach'], group['fused'] = False, True" in f["code"], f["code"]
