@@ -3244,6 +3244,20 @@ def test_eval_regather():
                                                                                                  f.recommendation.text)
 
 
+def test_eval_regather_trainer_callback_fits_80_columns_once_indented():
+    """A Hugging Face Trainer's evaluation fix puts the lines after an evaluation in a callback method, 8 columns in:
+    written for 80 columns, a PEFT model's units read 86 (``names = ['base_model.model.model.layers.3', ...``)."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    for restore in (["model.layers.11"], [f"base_model.model.model.layers.{i}" for i in (3, 7, 11)],
+                    ["base_model.model.model.language_model.layers.11"]):
+        code = S.trainer_gathered_for_evaluation(restore)
+        assert max(map(len, code.splitlines())) <= 80, code
+        compile(code, "<fix>", "exec")
+        for name in restore:
+            assert f"'{name}'" in code, code
+
+
 def test_grads_kept_fix_in_a_loop_around_accelerate_hooks_the_torch_optimizer_inside_its_wrapper():
     """A new-user trial pasted memory.grads_kept's fix after accelerator.prepare(): optimizer.register_step_post_hook
     raised AttributeError ('AcceleratedOptimizer' object has no attribute '_optimizer_step_post_hooks'). Where the

@@ -2146,7 +2146,7 @@ def trainer_gathered_for_evaluation(restore: list[str]) -> str:
     step end (or epoch end) the Trainer evaluates after (``control.should_evaluate``, which its DefaultFlowCallback,
     first in the list, has set by then), and back, every unit resharded, when the evaluation ends
     (``on_evaluate``). ``model`` there is the Trainer's model, the one watched."""
-    end = textwrap.indent(_after_evaluation(restore), " " * 8)
+    end = textwrap.indent(_after_evaluation(restore, width=72), " " * 8)  # (within 80 columns once indented)
     return ("from transformers import TrainerCallback\n\n\n"
             "class DoctorFix(TrainerCallback):  # every unit gathered once per evaluation\n"
             "    def on_step_end(self, args, state, control, model=None, **kwargs):\n"

@@ -72,10 +72,11 @@ class CheckpointBlocking(Rule):
                               f"from {100 * SHARE_NOTE:.0f}%)")
         setup = first_save_setup(c)
         if setup and (rest := (c.ms_total - setup) / (c.wall_ms_total - setup)) < SHARE_NOTE:
+            # (the share left once the set-up is taken out of the saves' time)
             return self.quiet(f"checkpoint saves take {fmt_share(share, 1)} of the recorded time (rank {rank}), "
                               f"{setup:.0f} ms of it the first save's excess over "
                               f"{'the other' if counted_saves(c) == 2 else 'the median'} (set-up, once a process); "
-                              f"the others {fmt_share(rest, 1, SHARE_NOTE)} "
+                              f"without it {fmt_share(rest, 1, SHARE_NOTE)} "
                               f"(fires from {100 * SHARE_NOTE:.0f}%)")
         steps = c.counted_steps or len(ctx.run.ranks[rank].steps)
         every = save_interval(c)
