@@ -2490,6 +2490,23 @@ def test_gc_advice_follows_what_the_collector_frees():
     assert f.recommendation.code == "" and f.predicted is UNSET and "gc.set_debug" in f.recommendation.text
 
 
+def test_block_containers_in_the_models_order():
+    """Two block lists whose blocks are units (a diffusers Flux: transformer_blocks, then single_transformer_blocks;
+    T5's encoder and decoder stacks): each was put first in turn, and the plans read the second list first."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    root = UnitConfig(name="", modules=[""], is_root=True, param_count=10, n_params=2, sharded_bytes=1,
+                      unsharded_bytes=2, orig_dtypes=["float32"], own_modules=["x_embedder", "proj_out"])
+    blocks = [UnitConfig(name=f"{c}.{i}", modules=[f"{c}.{i}"], is_root=False, param_count=10, n_params=2,
+                         sharded_bytes=1, unsharded_bytes=2, orig_dtypes=["float32"],
+                         own_modules=[f"{c}.{i}.attn.to_q"])
+              for c in ("transformer_blocks", "single_transformer_blocks") for i in range(2)]
+    t = S.Tree.of([root, *blocks])
+    assert list(t.containers()) == ["transformer_blocks", "single_transformer_blocks"], t.containers()
+    code = S.shard_plan(t, root_leftovers=True)
+    assert code.index("model.transformer_blocks.children()") < code.index("model.single_transformer_blocks"), code
+
+
 def test_snippets_from_the_module_tree():
     """The root is ``model`` under either label; every block container is covered; the root's leftovers are
     wrapped at their outermost unit-free ancestor, the trailing ones grouped and kept gathered, tied ones left in

@@ -219,6 +219,14 @@ class Tree:
             blocks = [f"{c}.{i}" if c else str(i) for i in idx]
             found = {k: v for k, v in found.items() if not any(k == b or k.startswith(b + ".") for b in blocks)}
             found = {c: sorted(set(found.get(c, [])) | idx), **found}  # (outermost first)
+        # in the model's order, each where its first block comes (the unit containers above were put first each in
+        # turn: a diffusers Flux's plans read single_transformer_blocks before transformer_blocks, T5's decoder
+        # before its encoder)
+        names = [strip_ckpt(n) for n in self.module_names()]
+        at = {c: next((i for i, n in enumerate(names) if (n.startswith(c + ".") if c else
+                                                          (b := block_of(n)) is not None and "." not in b)),
+                      len(names)) for c in found}
+        found = dict(sorted(found.items(), key=lambda kv: at[kv[0]]))
         # (inside a numbered child of the root, "1.layers" of an nn.Sequential holding a TransformerEncoder, only
         # where the root's numbered children are blocks themselves)
         return {c: idx for c, idx in found.items()

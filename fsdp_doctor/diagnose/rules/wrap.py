@@ -773,7 +773,7 @@ def _blocks_freed(root, kept, conts) -> int:
     return int(root.unsharded_bytes * min(1.0, (moved - max(blocks.values())) / stored))
 
 
-def _peak_after_plan(ctx: Context, root, blocks, kept, peak, conts) -> int | None:
+def _peak_after_plan(ctx: Context, root, blocks, kept, peak, conts=None) -> int | None:
     """The job's peak once the plan has made the root's modules units of their own: the peak less the gain the peak
     step of the rank with the lowest peak shows on its timeline (``_peak_as_units``; the highest rank's where that
     one gives no figure). FSDP's ranks run one model on equal shards, and what differs between their timelines is
@@ -788,6 +788,7 @@ def _peak_after_plan(ctx: Context, root, blocks, kept, peak, conts) -> int | Non
     pm = E.peak_memory(ctx)
     if peak is None or pm is None:
         return None
+    conts = S.tree(ctx).containers() if conts is None else conts  # (the plan's block containers)
     if any(S.container_of(m, conts) is not None for m in [*(root.leading_modules or []), *(root.trailing_modules or [])]
            if m not in kept):
         # blocks the plan makes units of their own before or after the wrapped ones (a diffusers Flux wrapped by its
