@@ -666,7 +666,7 @@ def shard_moe_experts_blocks_only(model, mesh):
 
 def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[int, int], device):
     """The user's loss on an architecture tree (None for other trees): T5 from source and target tokens (the
-    decoder's inputs are the targets shifted right), ViT from images."""
+    decoder's inputs are the targets shifted right), ViT from images, Flux by flow matching (flux_loss)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     if client.startswith("flux"):
         return flux_loss(model, g, size[0], device)

@@ -811,9 +811,9 @@ def run_accelerate_fixes(out: Path) -> dict:
     mixed_precision="bf16" (its policy reduces in bfloat16), rerun with numerics.reduce_dtype's fix; a Llama whose
     activations dominate (width 128, 256 tokens a sequence) under a budget 5% above its peak, rerun with
     ac.recommended's fix; no wrap policy (the decoder layers left in the root; and a diffusers Flux's two block
-    lists), rerun with wrap.params_in_root's fix; AdamW's foreach step at a peak 5% under its budget, rerun with optim.foreach_temporaries' fix, which goes on
-    the optimizer prepare() returned (accelerate's wrapper). Each run: 5 steps of one micro-batch; the report's
-    findings as in run_trainer_fixes."""
+    lists), rerun with wrap.params_in_root's fix; AdamW's foreach step at a peak 5% under its budget, rerun with
+    optim.foreach_temporaries' fix, which goes on the optimizer prepare() returned (accelerate's wrapper). Each
+    run: 5 steps of one micro-batch; the report's findings as in run_trainer_fixes."""
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from accelerate.state import AcceleratorState
     from transformers import LlamaForCausalLM
