@@ -221,8 +221,10 @@ def side_text(side) -> str:
 def render_comparison(c: Comparison, console: Optional[Console] = None) -> None:
     """Prints the comparison (the terminal presenter)."""
     console = console or Console()
+    # (a path longer than the terminal folds at its width: unwrapped, a checkout 12 characters deeper than CI's took
+    # the header past 80 columns, where a run's path has no spaces to wrap at)
     console.print(f"[bold]fsdp-doctor compare[/]\n A: {escape(side_text(c.a))}\n B: {escape(side_text(c.b))}",
-                  soft_wrap=True)
+                  overflow="fold")
     console.print(f"[bold]{escape(c.summary)}[/]")  # (plain text, as the tables' cells: fit.fitted_table)
     for note in c.notes:
         console.print(f"[yellow]{escape(note)}[/]")
