@@ -63,6 +63,13 @@ PASTED = {"blocks_tight": ("wrap.params_in_root", "ac.recommended"), "eval": ("e
 ASYNC_SAVE_METRIC = "checkpoint/save_async_duration_s"
 
 
+def torchrun_env() -> tuple[int, int]:
+    """This rank's (rank, world size), set in the environment as torchrun sets it, where OLMo-core reads them."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    return rank, world
+
+
 def tokens_file(out: Path) -> Path:
     """400,000 seeded random tokens in [2, 2000), as OLMo-core's numpy datasets read them (uint16), written once."""
     import numpy as np
@@ -182,8 +189,7 @@ def run_case(name: str, out: Path) -> dict:
     OLMo-core builds one world mesh a process) with every fix of CASE's diagnosis pasted where it says, "CASE_plain"
     as it is without the doctor. Returns the run's outcome, parameter digest and what the doctor left on the
     Trainer."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     case = name.removesuffix("_fixed").removesuffix("_plain")
     if name.endswith("_plain"):  # (no doctor: the digest to compare)
         return {"digest": train(out, name, **CASES[case], doctor=False)[0]}
@@ -218,8 +224,7 @@ def pipeline_refusal(out: Path) -> dict:
 
     from fsdp_doctor.olmo import DoctorCallback
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    _, world = torchrun_env()
     tok = TokenizerConfig(vocab_size=2000, eos_token_id=1, pad_token_id=0)
     model = TransformerConfig.olmo2_30M(vocab_size=tok.padded_vocab_size()).build(init_device="meta")
     train_module = TransformerTrainModuleConfig(

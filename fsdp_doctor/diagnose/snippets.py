@@ -218,10 +218,10 @@ class Tree:
                 continue
             blocks = [f"{c}.{i}" if c else str(i) for i in idx]
             found = {k: v for k, v in found.items() if not any(k == b or k.startswith(b + ".") for b in blocks)}
-            found = {c: sorted(set(found.get(c, [])) | idx), **found}  # (outermost first)
-        # in the model's order, each where its first block comes (the unit containers above were put first each in
-        # turn: a diffusers Flux's plans read single_transformer_blocks before transformer_blocks, T5's decoder
-        # before its encoder)
+            found.setdefault(c, sorted(idx))
+        # in the model's order, each where its first block comes (outermost first; the unit containers above were put
+        # first each in turn once: a diffusers Flux's plans read single_transformer_blocks before transformer_blocks,
+        # T5's decoder before its encoder)
         names = [strip_ckpt(n) for n in self.module_names()]
         at = {c: next((i for i, n in enumerate(names) if (n.startswith(c + ".") if c else
                                                           (b := block_of(n)) is not None and "." not in b)),

@@ -733,6 +733,12 @@ def _staying_words(root, chunked: list[str], ctx: Context) -> str:
          f"{ctx.config.output_chunks})"] if chunked else [])) or "tied modules"
 
 
+def _root_sizes(root) -> tuple[dict[str, int], int]:
+    """The root's own modules' parameter bytes ({fqn: bytes}, from its snapshot) and all of its parameters' bytes in
+    their stored dtype, padding aside (its shard times the shard group's size)."""
+    return dict(zip(root.own_modules or [], root.own_bytes or [])), root.sharded_bytes * (root.shard_size or 0)
+
+
 def _freed_gathered(root, kept=()) -> int:
     """Where the gathered copy equals the shard (a 16-bit param_dtype on 2 ranks; the estimate above reads 0 B): the
     bytes of the gathered copy the plan frees after forward, those of the root's own modules that become units, in the
@@ -741,8 +747,7 @@ def _freed_gathered(root, kept=()) -> int:
     (root: embedding, norm, head; 40% of the parameters) read a warning predicting "peak 1.26 MiB unchanged"; its fix
     pasted freed the embedding's gathered copy, 32,768 B: peak 1,286,880 -> 1,254,112 B measured, as now predicted.
     (Elsewhere the estimate above stays: it is checked by the fixes rerun on HF, accelerate and the scenario matrix.)"""
-    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
+    sizes, stored = _root_sizes(root)
     if not sizes or stored <= 0 or root.leading_modules is None:
         return 0
     skip = set(root.trailing_modules or []) | set(root.tied_modules or []) | set(kept)
@@ -760,13 +765,13 @@ def _blocks_freed(root, kept, conts) -> int:
     accelerate's plugin left in the root (no policy): the copy off the peak 4.15 MiB, this estimate 6.03, its fix
     pasted freed 14.98 MiB of 110.30; the plugin tests' Flux: 1.05 and 1.52, and 3.73 MiB of 13.38 freed. An HF
     Llama's two layers in the root: 9.00 MiB both, 4.29 MiB of 64.84 freed (the copy off the peak stays)."""
-    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
+    sizes, stored = _root_sizes(root)
     stay = set(root.tied_modules or []) | set(kept)
     blocks: dict[str, int] = {}
     for m, b in sizes.items():
         if m and m not in stay and S.container_of(m, conts) is not None:
-            blocks[S.block_of(m)] = blocks.get(S.block_of(m), 0) + b
+            blk = S.block_of(m)
+            blocks[blk] = blocks.get(blk, 0) + b
     if not blocks or stored <= 0:
         return 0
     moved = sum(b for m, b in sizes.items() if m and m not in stay)
@@ -821,8 +826,7 @@ def _peak_as_units(pm, root, blocks, kept=()) -> int | None:
     prefetch gone beside the embedding's 128 KiB: 5,034,340 B, as now predicted. None without a timeline showing
     the root's forward, or without the root's module sizes."""
     tl = pm.timeline or []
-    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
+    sizes, stored = _root_sizes(root)
     name, bl, full, n = root.name, {u.name: u.unsharded_bytes for u in blocks}, root.unsharded_bytes, len(tl)
     at = lambda j, unit, phase: tl[j].get("unit") == unit and tl[j].get("phase") == phase  # noqa: E731
     if not sizes or stored <= 0 or full <= 0 or root.leading_modules is None or not any(
@@ -897,8 +901,7 @@ def _movable_share(root, kept=()) -> float:
     (which stay together in the root) and the ``kept`` ones beside them, from the snapshot's own-module sizes; 1
     without tied modules or sizes."""
     tied = set(root.tied_modules or []) | set(kept)
-    sizes = dict(zip(root.own_modules or [], root.own_bytes or []))
-    stored = root.sharded_bytes * (root.shard_size or 0)  # the root's parameters, stored dtype, padding aside
+    sizes, stored = _root_sizes(root)
     if not tied or not sizes or stored <= 0:
         return 1.0
     return min(1.0, sum(b for m, b in sizes.items() if m and m not in tied) / stored)
