@@ -600,6 +600,50 @@ def shard_flux_double_only(model, mesh):
     return fully_shard(model, mesh=mesh)
 
 
+# (wt-vl) a vision-language model, transformers' Qwen2.5-VL: a vision tower (model.visual: patch_embed, blocks.N, then
+# merger, an nn.Sequential MLP whose children mlp.0 and mlp.2 are no blocks) before a language model
+# (model.language_model: embed_tokens, layers.N, norm) and lm_head; each sample an image of 8 x 8 patches, merged 2 x 2
+# into VL_IMAGE_TOKENS tokens among the text's
+VL_PATCHES, VL_IMAGE_TOKENS, VL_SEQ = 64, 16, 48
+VL_IMAGE, VL_START, VL_END = 1000, 1002, 1003  # token ids: the image's placeholder, its start and end
+
+
+def qwen_vl():
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(0)
+    cfg = Qwen2_5_VLConfig(
+        vision_config=dict(depth=4, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=128,
+                           patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
+                           fullatt_block_indexes=[1, 3]),
+        text_config=dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}),
+        image_token_id=VL_IMAGE, video_token_id=1001, vision_start_token_id=VL_START, vision_end_token_id=VL_END)
+    cfg._attn_implementation = "sdpa"
+    return Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def qwen_vl_item(g: torch.Generator) -> dict:
+    """One sample: an image (random pixels, 8 x 8 patches) and random text, its tokens the labels."""
+    text = torch.randint(0, VL_IMAGE, (VL_SEQ - VL_IMAGE_TOKENS - 2,), generator=g)
+    ids = torch.cat([torch.tensor([VL_START]), torch.full((VL_IMAGE_TOKENS,), VL_IMAGE), torch.tensor([VL_END]), text])
+    return {"input_ids": ids, "labels": ids, "pixel_values": torch.randn(VL_PATCHES, 3 * 2 * 4 * 4, generator=g),
+            "image_grid_thw": torch.tensor([[1, 8, 8]])}
+
+
+def qwen_vl_collate(items: list[dict]) -> dict:
+    """A batch as Qwen2.5-VL takes it: the token rows stacked, every image's patches and grid one after another."""
+    return {k: (torch.cat if k in ("pixel_values", "image_grid_thw") else torch.stack)([x[k] for x in items])
+            for k in items[0]}
+
+
+def qwen_vl_loss(model, g: torch.Generator, batch_size: int, device):
+    """The language-model loss on an image and text per sample, as a VLM's fine-tune."""
+    batch = qwen_vl_collate([qwen_vl_item(g) for _ in range(batch_size)])
+    return model(**{k: v.to(device) for k, v in batch.items()}).loss
+
+
 def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
             "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",

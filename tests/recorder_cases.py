@@ -384,6 +384,22 @@ def run_accelerate(out: Path) -> dict:
             "optimizer_ms": [s.optimizer_ms for s in rd.steps], "errors": len(rd.errors)}
 
 
+class _VLItems(torch.utils.data.Dataset):
+    """The Trainer's Qwen2.5-VL case's data: ``n`` samples of an image and text (clients.qwen_vl_item, seeded by
+    index)."""
+
+    def __init__(self, n, seed):
+        self.n, self.seed = n, seed
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import clients
+
+        return clients.qwen_vl_item(torch.Generator().manual_seed(self.seed + i))
+
+
 class _Tokens(torch.utils.data.Dataset):
     """The Trainer cases' data: ``n`` sequences of SEQ random tokens (seeded by index), ``slow_ms`` each to make."""
 
@@ -417,26 +433,32 @@ def trainer_hooks():
 
 
 def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, seq=SEQ, items=64, eval_items=8,
-                 **args):
+                 vl=False, **args):
     """A Hugging Face Trainer of a Llama (``width``) on 2 micro-batches of 2 sequences of ``seq`` tokens per step,
     8 steps, evaluating every 3, sharded by accelerate's FSDP2 plugin as the Trainer makes it from ``fsdp_config``
     (``TrainingArguments(fsdp=True, fsdp_config=...)``; accelerate enables FSDP on GPUs only, so the plugin and
     the state are forced here, as in run_accelerate); ``items``: training sequences, ``eval_items`` evaluation
-    ones; ``args``: more TrainingArguments."""
+    ones; ``args``: more TrainingArguments. ``vl``: a Qwen2.5-VL on images and text (clients.qwen_vl), the plugin's
+    policy over its _no_split_modules (both block classes)."""
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
+
+    import clients
 
     torch.manual_seed(0)
     # (wide enough that the model's step outweighs the Trainer's own per-step work outside the model, 10-13 ms
     # here: 6% of the step at width 512, 15-23% at width 64, where jitter.data_wait fires from 15%)
-    model = LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ, seq)))
+    model = clients.qwen_vl() if vl else LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ,
+                                                                                                        seq)))
     kw = dict(output_dir=str(out_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
               gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps", eval_steps=3, logging_steps=1,
               save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0)
-    fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"],
-                   "reshard_after_forward": True, **(fsdp_config or {})}
+    fsdp_config = {"fsdp_version": 2, "transformer_layer_cls_to_wrap": model._no_split_modules if vl else [
+        "LlamaDecoderLayer"], "reshard_after_forward": True, **(fsdp_config or {})}
     targs = TrainingArguments(**{**kw, **args}, fsdp=True, fsdp_config=fsdp_config)
-    tr = Trainer(model=model, args=targs, train_dataset=_Tokens(items, 0, slow_ms, seq),
-                 eval_dataset=_Tokens(eval_items, 10_000, 0.0, seq), callbacks=callbacks)
+    data = (dict(train_dataset=_VLItems(items, 0), eval_dataset=_VLItems(eval_items, 10_000),
+                 data_collator=clients.qwen_vl_collate) if vl else
+            dict(train_dataset=_Tokens(items, 0, slow_ms, seq), eval_dataset=_Tokens(eval_items, 10_000, 0.0, seq)))
+    tr = Trainer(model=model, args=targs, callbacks=callbacks, **data)
     trainer_fsdp(tr)
     st = tr.accelerator.state
     if st.mixed_precision != "no":  # as AcceleratorState does on a GPU (bf16=True: reduce_dtype bfloat16)
@@ -699,7 +721,8 @@ def run_trainer_fixes(out: Path) -> dict:
     argument and by FSDP's own (fsdp_config), each rerun with its ac.unneeded fix; bf16=True, whose FSDP2 policy
     reduces in bfloat16, rerun with numerics.reduce_dtype's fix; a Llama whose activations dominate (width 128,
     256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix; no wrap policy
-    (the decoder layers left in the root), rerun with wrap.params_in_root's fix."""
+    (the decoder layers left in the root), and a Qwen2.5-VL's vision merger the policy leaves there, each rerun with
+    wrap.params_in_root's fix."""
     rank, world = dist.get_rank(), dist.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     res = {}
@@ -737,7 +760,9 @@ def run_trainer_fixes(out: Path) -> dict:
                                   ("tight", "ac.recommended", {"width": 128, "seq": 256}),
                                   # no wrap policy: the decoder layers stay in the root
                                   ("nowrap", "wrap.params_in_root", {"fsdp_config": {
-                                      "auto_wrap_policy": "NO_WRAP", "transformer_layer_cls_to_wrap": None}})])
+                                      "auto_wrap_policy": "NO_WRAP", "transformer_layer_cls_to_wrap": None}}),
+                                  # a Qwen2.5-VL: its vision merger, between the block stacks, left in the root
+                                  ("vl_merger", "wrap.params_in_root", {"vl": True})])
 
 
 #: a fix case's rerun peaks at its prediction within this share of it (tests/test_recorder_cases.py)
@@ -825,17 +850,19 @@ def run_accelerate_fixes(out: Path) -> dict:
     res = {}
 
     def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ,
-            wrap="transformer_based_wrap", foreach=None, layers=2, flux=False):
+            wrap="transformer_based_wrap", foreach=None, layers=2, flux=False, vl=False):
         AcceleratorState._reset_state()  # a new Accelerator per run (the process group stays)
         acc = Accelerator(cpu=True, mixed_precision=mixed)
         plugin = FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy=wrap, reshard_after_forward=True, activation_checkpointing=ac,
-            transformer_cls_names_to_wrap=["LlamaDecoderLayer"] if wrap == "transformer_based_wrap" else None)
+            # (a Qwen2.5-VL: the policy over its _no_split_modules, both block classes)
+            transformer_cls_names_to_wrap=(["LlamaDecoderLayer"] if wrap == "transformer_based_wrap" and not vl
+                                           else None))
         if mixed != "no":  # as AcceleratorState does on a GPU (bf16: reduce_dtype bfloat16)
             plugin.set_mixed_precision(mixed)
         force_fsdp(acc.state, plugin)
         torch.manual_seed(0)
-        model = clients.flux() if flux else LlamaForCausalLM(llama_config(
+        model = clients.flux() if flux else clients.qwen_vl() if vl else LlamaForCausalLM(llama_config(
             width, max_position_embeddings=max(2 * SEQ, seq), num_hidden_layers=layers))
         on_opt = fix is not None and "optimizer.param_groups" in fix  # (where "optimizer": after prepare)
         if fix and not on_opt:  # where it says: with the Accelerator built, before accelerator.prepare(model)
@@ -849,6 +876,9 @@ def run_accelerate_fixes(out: Path) -> dict:
                 if flux:  # (diffusers' Flux, trained by flow matching on image latents: tests/clients.py)
                     g = torch.Generator().manual_seed(1000 * step + 10 * rank)
                     acc.backward(clients.flux_loss(model, g, 2, None))
+                elif vl:  # (transformers' Qwen2.5-VL: an image and text per sample)
+                    g = torch.Generator().manual_seed(1000 * step + 10 * rank)
+                    acc.backward(clients.qwen_vl_loss(model, g, 2, None))
                 else:
                     tok = torch.stack([data[2 * step + i]["input_ids"] for i in range(2)])
                     acc.backward(model(input_ids=tok, labels=tok).loss)
@@ -866,6 +896,9 @@ def run_accelerate_fixes(out: Path) -> dict:
                                   ("nowrap", "wrap.params_in_root", {"wrap": "no_wrap"}),
                                   # diffusers' Flux, no wrap policy: both block lists in the root
                                   ("flux_nowrap", "wrap.params_in_root", {"wrap": "no_wrap", "flux": True}),
+                                  # a Qwen2.5-VL, the policy over both block classes: the vision merger (between the
+                                  # stacks) left in the root
+                                  ("vl_merger", "wrap.params_in_root", {"vl": True}),
                                   # AdamW foreach (CUDA's default; asked for on the CPU), 8 layers: the step is the
                                   # peak (with 2, a layer gathered in backward and its gradients are more)
                                   ("tight_foreach", "optim.foreach_temporaries",

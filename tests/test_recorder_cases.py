@@ -444,11 +444,17 @@ def _wrap_fix(res: dict, where: str) -> None:
 
 def test_hf_trainer_wrap_fix_sets_the_plugins_policy(trainer_fixes_run):
     """fsdp_config={'auto_wrap_policy': 'NO_WRAP'} under the Trainer: _wrap_fix's case, the fix on the built
-    Trainer (its TrainingArguments form in a comment)."""
+    Trainer (its TrainingArguments form in a comment). And a Qwen2.5-VL under the policy over both of its block
+    classes: its vision merger left in the root, sharded on the built Trainer's model before train()."""
     for res in trainer_fixes_run:
         _wrap_fix(res, "trainer")
         assert "#                'transformer_layer_cls_to_wrap': ['LlamaDecoderLayer']})" in res["nowrap"][
             "findings"]["wrap.params_in_root"]["code"]
+        before, after, f = _plugin_fix(res, "vl_merger", "wrap.params_in_root")
+        assert "fully_shard(trainer.model.model.visual.merger, mesh=mesh)" in f["code"], f["code"]
+        assert "fsdp_plugin" not in f["code"] and "before trainer.train()" in f["text"], f["text"]
+        assert "model.visual.merger" in {u[0] for u in after["units"]} - {u[0] for u in before["units"]}, after
+        assert after["losses"] == pytest.approx(before["losses"], rel=1e-5), (before["losses"], after["losses"])
 
 
 @pytest.fixture(scope="module")
@@ -464,7 +470,7 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
     pasted as printed, each rerun drops its finding, has no new warning, and peaks as predicted within 10%
     (float32 reduction: +9% here, one micro-batch a step; checkpointing: the recompute gathers each layer again,
     its wrapper being outside the unit); and no wrap policy, rerun with the plugin's transformer-based one
-    (_wrap_fix; and on a diffusers Flux)."""
+    (_wrap_fix; and on a diffusers Flux); and a module the policy leaves in the root, sharded before prepare()."""
     for res in accelerate_fixes_run:
         _, after, f = _plugin_fix(res, "fsdp_ample", "ac.unneeded", "accelerate")
         assert "accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"], f["code"]
@@ -483,6 +489,15 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
         assert "['FluxTransformerBlock', 'FluxSingleTransformerBlock']" in f["code"], f["code"]
         assert {u[0].rsplit(".", 1)[0] for u in after["units"] if u[0][-1:].isdigit()} == {
             "transformer_blocks", "single_transformer_blocks"}, after["units"]
+        # a Qwen2.5-VL under the policy over both block classes: its vision merger (an nn.Sequential MLP inside,
+        # mlp.0 and mlp.2, read as "the blocks" above the policy the run had: a new-user trial) left in the root,
+        # sharded by the user before prepare(), which shards the rest around it
+        before, after, f = _plugin_fix(res, "vl_merger", "wrap.params_in_root", "accelerate")
+        assert "fully_shard(model.model.visual.merger, mesh=mesh)" in f["code"], f["code"]
+        assert "fsdp_plugin" not in f["code"] and "fully_shard(model," not in f["code"], f["code"]
+        assert "mlp.0" not in f["text"] and "before accelerator.prepare(model)" in f["text"], f["text"]
+        assert "model.visual.merger" in {u[0] for u in after["units"]} - {u[0] for u in before["units"]}, after
+        assert after["peak"] < before["peak"], (before["peak"], after["peak"])
         # on the optimizer prepare() returned: its param_groups and state are the AdamW's inside
         before, after, f = fixed_pair(res, "tight_foreach", "optim.foreach_temporaries", "optimizer", "accelerate")
         assert "group['foreach'], group['fused'] = False, True" in f["code"], f["code"]

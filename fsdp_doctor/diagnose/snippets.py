@@ -1609,6 +1609,28 @@ def plugin_wrap(lever: str, classes: list[str]) -> str:
                       assign(f"{holder}.transformer_cls_names_to_wrap", repr(classes))])
 
 
+def plugin_leftovers(t: Tree, lever: str, costs: Optional[LeftoverCosts] = None) -> str:
+    """Where accelerate's FSDP2 plugin sharded the model and its policy matched every block, the root's other modules
+    that gain as units of their own (a Qwen2.5-VL's vision merger, between its two block stacks), each sharded by the
+    user before the plugin shards the model, with the root's options: ``prepare()`` leaves a module already sharded as
+    it is and shards the rest around it (its policy, then the input embedding and the final norm and head it carves,
+    then the root). Set where ``lever`` says (plugin_checkpointing); a plan of every fully_shard call (shard_plan)
+    would take the plugin's sharding from it, and the user has no fully_shard calls to replace."""
+    root = t.root()
+    conts = t.containers()
+    mp = _policy_vars(t.units)
+    in_block = lambda m: any(in_container(m, c, conts) for c in conts)  # noqa: E731
+    lines = _leftover_lines(t, root, in_block, _unit_kwargs(root, inherit=True, mp=mp), None, costs)
+    _, prepares, _ = _PLUGIN[lever]
+    # (the Trainer builds its optimizer in train(), after this)
+    head = comment(f"the root's modules as units of their own; {prepares} then shards the rest around them (a module "
+                   "already sharded keeps its unit)" + ("; before you build the optimizer, which must hold their "
+                                                        "sharded parameters" if lever == "accelerate" else ""))
+    code = "\n".join([*head, *lines])
+    code = "\n".join([*_policy_lines(mp, code), code])
+    return "\n".join(renamed(code, {ROOT: "trainer.model"})) if lever == "trainer" else code
+
+
 def plugin_offload(lever: str, on: bool) -> str:
     """accelerate's FSDP2 plugin sharding with CPU offload (pinned host memory) or without, set where ``lever`` says
     (plugin_checkpointing): ``prepare()`` passes the plugin's ``cpu_offload`` to fully_shard as its offload_policy."""

@@ -626,9 +626,15 @@ class ParamsInRoot(Rule):
         code = _root_plan(ctx, costs) if tune is None else S.torchtune_layers(tune, passed_on)
         # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
         # accelerate gives the embedding and the final norm and head units of their own)
-        blocks = list(dict.fromkeys(b for m in root.own_modules if (b := S.block_of(m))))
+        # (blocks of the tree's containers: a Qwen2.5-VL's merger.mlp, an nn.Sequential(Linear, GELU, Linear), is
+        # none, and read "the blocks model.visual.merger.mlp.0, ..." above the plugin's policy the run already had)
+        blocks = list(dict.fromkeys(S.block_of(m) for m in root.own_modules if S.container_of(m, conts) is not None))
         plug = _plugin_wrap(ctx, "left the blocks in the root (no policy, or none that matched them)") \
             if blocks else {}
+        # the plugin's policy matched the blocks and left other modules in the root (a Qwen2.5-VL's vision merger,
+        # between its block stacks): the user shards them before prepare(), which shards the rest around them (a plan
+        # of every fully_shard call read "in place of your fully_shard calls" to an accelerate user, who has none)
+        lever = E.plugin_lever(ctx) if not blocks and tune is None else None
         # (a root given reshard_after_forward=True is resharded after its forward: a new-user trial's report said
         # it was not, beside reshard.last_unit saying it was; its forward and backward span the model's all the same)
         held_text = ("The root is not resharded after forward, so these stay gathered from the first forward to the "
@@ -650,6 +656,12 @@ class ParamsInRoot(Rule):
                    "")
                 + (f"; {named(kept)} stay in the root: units of their own would gain less than their collectives "
                    "cost" + (" (the snippet says why)" if tune is None else "") if kept else "") + ").")
+        if lever:
+            says, prepares = S.plugin_says(lever)
+            text += (f" {says}, the plugin's auto-wrap policy made each block a unit and left these in the root: "
+                     f"sharded by you before {prepares}, each is a unit of its own, and the plugin shards the rest "
+                     "around them (it leaves a module already sharded as it is).")
+            code = S.plugin_leftovers(tree, lever, costs)
         if chunked:
             text += _PER_CHUNK.format(E.fmt_list([S.module_expr(m) for m in chunked]), ctx.config.output_chunks)
         if tune is not None:
@@ -678,7 +690,10 @@ class ParamsInRoot(Rule):
              "read_on_straggler": None if (late := E.late_rank(ctx)) is None else int(late.rank),
              "wrapped_units": len(others),
              "wrapped_examples": sorted(wrapped)[:6]},
-            text, plug.get("code", code), where=plug.get("where", "torchtune_config" if tune is not None else ""),
+            text, plug.get("code", code),
+            where=plug.get("where", lever or ("torchtune_config" if tune is not None else "")),
+            inputs={"model": "your model, before accelerator.prepare(model) and the optimizer"}
+            if lever == "accelerate" and not plug else None,
             predicted=E.predicted(step, None if cpu else step, peak, peak_after, peak_at_most=ceiling), units=[""])]
 
 
