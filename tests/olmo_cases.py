@@ -27,7 +27,7 @@ OLMO_SITE = Path(os.environ.get("FSDP_DOCTOR_OLMO_SITE", ROOT / ".venv" / "olmo"
 import torch.distributed as dist
 
 import fsdp_doctor
-from recorder_cases import _outcome, report_findings
+from recorder_cases import _outcome, report_findings, torchrun_env
 
 #: optimizer steps a run (the doctor's profiler window: steps 6-7), sequence length, micro-batches a step
 STEPS, SEQ, MICRO = 10, 128, 2
@@ -61,13 +61,6 @@ PASTED = {"blocks_tight": ("wrap.params_in_root", "ac.recommended"), "eval": ("e
 #: barrier). Its saves end that near the run's last step only on a model as small as these: 2 of 5 runs without the
 #: doctor hung so, and every run where rank 1 was held 3 s in its last post_step; none with the metric dropped
 ASYNC_SAVE_METRIC = "checkpoint/save_async_duration_s"
-
-
-def torchrun_env() -> tuple[int, int]:
-    """This rank's (rank, world size), set in the environment as torchrun sets it, where OLMo-core reads them."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    return rank, world
 
 
 def tokens_file(out: Path) -> Path:

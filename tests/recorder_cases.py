@@ -61,6 +61,14 @@ OPT_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimi
              "_optimizer_load_state_dict_post_hooks")
 
 
+def torchrun_env() -> tuple[int, int]:
+    """This rank's (rank, world size), set in the environment as torchrun sets it, where a client reads them
+    (accelerate, transformers' Trainer, TRL, OLMo-core)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    return rank, world
+
+
 # ------------------------------------------------------------------------------------------------ models
 def llama_config(width: int = 64, **kw):
     """The cases' tiny HF Llama: 2 layers (unless ``kw`` says), 4 heads over 2 KV heads, ``width`` wide (its MLP
@@ -343,8 +351,7 @@ def run_accelerate(out: Path) -> dict:
     from accelerate import Accelerator, FullyShardedDataParallelPlugin
     from transformers import LlamaForCausalLM
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
                                             transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
                                             reshard_after_forward=True)
@@ -482,8 +489,7 @@ def run_trainer(out: Path) -> dict:
     Llama for 8 optimizer steps of 2 micro-batches, evaluating after steps 3 and 6: without the doctor, then with
     ``fsdp_doctor.DoctorCallback``; then a second ``train()`` into the same run directory (refused: one log line,
     training goes on) and a callback with a misspelt option (refused before training); then trainer_saves."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
 
     def losses(tr):
         return [h["loss"] for h in tr.state.log_history if "loss" in h]
@@ -565,8 +571,7 @@ def run_trainer_compiled(out: Path) -> dict:
     ``gradient_checkpointing=True`` over accelerate's FSDP2 plugin, which applies fully_shard to the compiled
     wrapper (an FSDPOptimizedModule): without the doctor, then with ``fsdp_doctor.DoctorCallback``; the losses of
     both, and what the run recorded."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
 
     def train(callbacks, name):
         tr = make_trainer([trainer_hooks(), *callbacks], out / name, torch_compile=True,
@@ -658,8 +663,7 @@ def run_trainer_gc(out: Path) -> dict:
     (the fix turns it off for the run's steps)."""
     from fsdp_doctor.workloads.train import release_objects
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     res = {}
     for name in ("gc", "gc_fixed"):
         fix = res["gc"]["findings"].get("jitter.gc") if name == "gc_fixed" else None
@@ -723,8 +727,7 @@ def run_trainer_fixes(out: Path) -> dict:
     256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix; no wrap policy
     (the decoder layers left in the root), and a Qwen2.5-VL's vision merger the policy leaves there, each rerun with
     wrap.params_in_root's fix."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     res = {}
 
     def run(name, fix=None, capacity=8 << 30, **kw):
@@ -845,8 +848,7 @@ def run_accelerate_fixes(out: Path) -> dict:
 
     import clients
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     res = {}
 
     def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ,
@@ -943,8 +945,7 @@ def run_accelerate_accum(out: Path) -> dict:
     from accelerate.utils import GradientAccumulationPlugin
     from transformers import LlamaForCausalLM
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     res = {}
 
     def run(name, fix=None, sync_each_batch=False):
@@ -1065,8 +1066,7 @@ def run_hf_native_fixes(out: Path) -> dict:
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     path = out / "llama"
     if rank == 0:
         torch.manual_seed(0)

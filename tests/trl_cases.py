@@ -24,7 +24,7 @@ TRL_SITE = Path(os.environ.get("FSDP_DOCTOR_TRL_SITE", ROOT / ".venv" / "trl"))
 import torch.distributed as dist
 
 import fsdp_doctor
-from recorder_cases import _outcome, trainer_fsdp
+from recorder_cases import _outcome, torchrun_env, trainer_fsdp
 from titan_cases import TITAN_SITE
 
 #: the case's optimizer steps (the doctor's profiler window: steps 6-7) and micro-batches a step
@@ -77,8 +77,7 @@ def run_sft(out: Path) -> dict:
     """The SFTTrainer recorded (DoctorCallback, its default profiler window), then again with prefetch.sync_unshard's
     fix pasted as printed: each run's outcome, its arguments' class as recorded, its losses, and each of this rank's
     collectives outside FSDP's own in the trace, [collective, phase, calls per step]."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     res = {}
     for name in ("sft", "sft_fixed"):
         tr = sft_trainer(out / f"hf_{name}", [fsdp_doctor.DoctorCallback(out_dir=str(out / name))])
@@ -141,8 +140,7 @@ def run_dpo(out: Path) -> dict:
     printed: each run's outcome, its losses and how many FSDPModules the reference has."""
     from torch.distributed.fsdp import FSDPModule
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    rank, world = torchrun_env()
     ckpt = out / "policy"
     if rank == 0:  # the policy's checkpoint (a tokenizer of its own beside it): TRL builds the reference from it
         model, tok = llama_and_tokenizer()
