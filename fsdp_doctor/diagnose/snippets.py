@@ -988,8 +988,10 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
     else:
         # (a header over 80 columns wrapped: ac.fewer_units' read 111; "apply_activation_checkpointing" named to a run
         # with checkpoint(...) calls only, which never called it: new-user trials)
-        lines = textwrap.wrap(f"{BEFORE_SHARDING} (before fully_shard): activation checkpointing off"
-                              + (f" {note}" if note else ""), width=80, initial_indent="# ", subsequent_indent="# ")
+        # (the header its own line: "...: activation checkpointing off" read 84 columns, "# off" alone below it)
+        lines = [f"# {BEFORE_SHARDING}, before fully_shard:",
+                 *textwrap.wrap("activation checkpointing off" + (f" {note}" if note else ""), width=80,
+                                initial_indent="# ", subsequent_indent="# ")]
         lines.append("# (or leave out your checkpoint(...) calls, or the call that enables it)" if not wrappers
                      else "# (or build the model without apply_activation_checkpointing)" if not note else
                      "# (or leave these out of your apply_activation_checkpointing)")
