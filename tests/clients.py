@@ -648,7 +648,8 @@ def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
             "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",
             "BertForMaskedLM": "bert", "GPTNeoXForCausalLM": "neox",
-            "FluxTransformer2DModel": "flux"}.get(type(model).__name__, "")
+            "FluxTransformer2DModel": "flux", "Qwen2_5_VLForConditionalGeneration": "qwen_vl"}.get(
+        type(model).__name__, "")
 
 
 def arch_blocks(model) -> list:
@@ -666,6 +667,8 @@ def arch_blocks(model) -> list:
         return list(model.gpt_neox.layers)
     if kind == "flux":
         return list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    if kind == "qwen_vl":  # the vision tower's blocks, then the language model's layers
+        return list(model.model.visual.blocks) + list(model.model.language_model.layers)
     return list(model.model.layers) if kind == "mixtral" else []
 
 
@@ -686,6 +689,9 @@ def arch_ends(model):
         return [model.gpt_neox.embed_in], [model.gpt_neox.final_layer_norm, model.lm_head]
     if kind == "flux":
         return [model.x_embedder, model.context_embedder, model.time_text_embed], [model.norm_out, model.proj_out]
+    if kind == "qwen_vl":  # (the vision merger, between the stacks, neither)
+        vis, lm = model.model.visual, model.model.language_model
+        return [vis.patch_embed, lm.embed_tokens], [lm.norm, model.lm_head]
     return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
 
 
@@ -710,10 +716,13 @@ def shard_moe_experts_blocks_only(model, mesh):
 
 def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[int, int], device):
     """The user's loss on an architecture tree (None for other trees): T5 from source and target tokens (the
-    decoder's inputs are the targets shifted right), ViT from images, Flux by flow matching (flux_loss)."""
+    decoder's inputs are the targets shifted right), ViT from images, Flux by flow matching (flux_loss), Qwen2.5-VL
+    from an image and text per sample (qwen_vl_loss)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     if client.startswith("flux"):
         return flux_loss(model, g, size[0], device)
+    if client.startswith("qwen_vl"):
+        return qwen_vl_loss(model, g, size[0], device)
     if client.startswith("vit"):
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(pixel_values=x.to(device)).logits, y.to(device))
@@ -732,7 +741,7 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
 
 
 ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "gpt2_wide": gpt2_wide, "bert": bert,
-              "neox": neox, "flux": flux}
+              "neox": neox, "flux": flux, "qwen_vl": qwen_vl}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only,
               "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate"),
               "flux_double_only": shard_flux_double_only}

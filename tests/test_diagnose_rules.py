@@ -663,6 +663,31 @@ def test_params_in_root_under_a_16_bit_param_dtype_frees_what_its_plan_reshards(
     assert f.severity == "warning" and f.evidence["held_gathered_bytes"] == 32_768
     assert f.predicted["peak_bytes_after"] == 1_254_112, f.predicted
 
+def test_params_in_root_plan_keeps_a_unit_that_holds_blocks():
+    """A Qwen2.5-VL whose user shards the vision tower whole (``fully_shard(model.model.visual)``) and each language
+    layer, its embedding, final norm and head left in the root: the plan made each vision block a unit too, which the
+    finding neither said nor predicted (a new-user trial). It moves the root's modules alone; the tower stays one unit,
+    as the run had it. wrap.too_coarse's plan, which exists to split a unit holding blocks, still splits it."""
+    from fsdp_doctor.diagnose import snippets as S
+
+    lm = "model.language_model"
+    root = unit("", param_count=139_520, n_params=3, sharded_bytes=279_040, unsharded_bytes=558_080,
+                orig_dtypes=["float32"], reshard_after_forward=False, leading_modules=[f"{lm}.embed_tokens"],
+                own_modules=[f"{lm}.embed_tokens", f"{lm}.norm", "lm_head"], own_bytes=[262_144, 512, 262_144],
+                trailing_modules=[f"{lm}.norm", "lm_head"])
+    tower = unit("model.visual", **BLOCK, own_modules=[*(f"model.visual.blocks.{i}.{m}" for i in range(4)
+                                                         for m in ("attn.qkv", "mlp.up")), "model.visual.merger.mlp.0"])
+    us = [root, tower, *(unit(f"{lm}.layers.{i}", **BLOCK) for i in range(4))]
+    ctx, _ = build(units=us, memory=memory(10 * MiB))
+    (f,) = run_rule("wrap.params_in_root", ctx)
+    code = f.recommendation.code
+    assert "fully_shard(model.model.visual, mesh=mesh)" in code and "visual.blocks" not in code, code
+    assert "for block in model.model.language_model.layers.children():" in code, code
+    assert "fully_shard(model.model.language_model.embed_tokens, mesh=mesh)" in code, code
+    assert "for block in model.model.visual.blocks.children():" in S.shard_plan(S.tree(ctx), root_leftovers=True,
+                                                                                  split_held=True)
+
+
 def test_params_in_root_plan_keeps_each_units_mixed_precision():
     """The blocks' MixedPrecisionPolicy(bf16, fp32) beside the root's, with output_dtype=float32 (a new-user trial's
     knob): the plan gave every unit one ``mp``, the first unit's with a policy, the root's, and so every block an fp32

@@ -436,7 +436,7 @@ def _merge(kw: str, extra: str, drop: tuple[str, ...] = ()) -> str:
 def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, group: int = 1,
                extra_kwargs: str = "", note: str = "", mp_line: Optional[str] = None,
                drop: tuple[str, ...] = (), nested: bool = True, only: Optional[set[str]] = None,
-               leftover_costs: Optional[LeftoverCosts] = None, split: bool = False) -> str:
+               leftover_costs: Optional[LeftoverCosts] = None, split: bool = False, split_held: bool = True) -> str:
     """The whole sharding of the model, to paste in place of your ``fully_shard`` calls (on the unsharded
     model): every block of every container (``blocks``; ``group`` consecutive blocks per unit), the run's other
     units as they were, with ``root_leftovers`` the modules holding the root's own parameters (tied ones stay
@@ -450,7 +450,10 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     unit that had one; without it each keeps its own (the modules a unit held, that unit's). ``leftover_costs``: the
     run's figures that decide which of the root's modules stay in a root kept for tied modules (``leftover_stays``).
     ``split``: a block too large to be one unit (``Tree.split_blocks``) has its own blocks sharded before it, each a
-    unit (wrap.too_coarse's plan; the others keep the run's granularity)."""
+    unit (wrap.too_coarse's plan; the others keep the run's granularity). ``split_held``: the blocks of a container
+    that a unit other than the root held whole (a Qwen2.5-VL's vision tower, ``fully_shard(model.model.visual)``)
+    units of their own too; False: that unit stays as the run had it (wrap.params_in_root's plan, which moves the
+    root's own modules and predicts that alone: it split the tower unasked, a new-user trial)."""
     lines = ([f"# {note}"] if note else []) + [f"# replaces your fully_shard calls ({BEFORE_SHARDING})"]
     extra_of = lambda u: extra_kwargs if only is None or (u is not None and u.name in only) else ""  # noqa: E731
     mp = _policy_vars(t.units, one=mp_line is not None)
@@ -462,6 +465,8 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     by_cont = {c: next((u for u in t.non_root() if any(is_block(m, c) for m in u.modules)),
                        next((u for u in t.non_root() if any(container_of(m, conts) == c for m in u.modules)),
                             None)) for c in conts}
+    if not split_held:  # (the containers whose blocks had no unit of their own: those the root held)
+        conts = {c: i for c, i in conts.items() if by_cont[c] is not None or (h := _holder(t, c)) is None or h.is_root}
     for c in conts:
         if by_cont[c] is not None:  # the options of the container's block units
             own, ex = _unit_kwargs(by_cont[c], mp=mp), extra_of(by_cont[c])

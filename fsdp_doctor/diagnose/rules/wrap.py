@@ -92,9 +92,10 @@ def _leftover_costs(ctx: Context) -> S.LeftoverCosts:
 
 def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None, split: bool = False) -> str:
     """The whole sharding with the root's own modules units of their own where that gains more than it costs
-    (``costs``: ``_leftover_costs``, read here where not given); ``split``: blocks too large to be one unit split
-    (wrap.too_coarse's)."""
-    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx), split=split)
+    (``costs``: ``_leftover_costs``, read here where not given); ``split``: blocks too large to be one unit split, and
+    the blocks a unit held whole made units of their own (wrap.too_coarse's; otherwise that unit stays)."""
+    return S.shard_plan(S.tree(ctx), root_leftovers=True, leftover_costs=costs or _leftover_costs(ctx), split=split,
+                        split_held=split)
 
 
 def _plugin_wrap(ctx: Context, did: str) -> dict:
