@@ -644,6 +644,24 @@ def qwen_vl_loss(model, g: torch.Generator, batch_size: int, device):
     return model(**{k: v.to(device) for k, v in batch.items()}).loss
 
 
+def shard_qwen_vl(model, mesh, plan: str = "expert"):
+    """A Qwen2.5-VL user's fully_shard calls: "expert", the language model's embedding, each vision block, the vision
+    merger, each language layer, [norm, lm_head] kept gathered, the root (its patch embedding, 24 KiB, stays there);
+    "lm_only", the language layers and the root (a text model's plan kept for a VLM); "tower", the vision tower whole,
+    each language layer, the root."""
+    vis, lm = model.model.visual, model.model.language_model
+    if plan == "expert":
+        fully_shard(lm.embed_tokens, mesh=mesh)
+    if plan == "tower":
+        fully_shard(vis, mesh=mesh)
+    for block in (list(vis.blocks) if plan == "expert" else []) + list(lm.layers):
+        fully_shard(block, mesh=mesh)
+    if plan == "expert":
+        fully_shard(vis.merger, mesh=mesh)
+        fully_shard([lm.norm, model.lm_head], mesh=mesh, reshard_after_forward=False)
+    return fully_shard(model, mesh=mesh)
+
+
 def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
             "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",
@@ -744,7 +762,9 @@ ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "gpt2_wide
               "neox": neox, "flux": flux, "qwen_vl": qwen_vl}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only,
               "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate"),
-              "flux_double_only": shard_flux_double_only}
+              "flux_double_only": shard_flux_double_only, "qwen_vl_expert": shard_qwen_vl,
+              "qwen_vl_lm_only": lambda model, mesh: shard_qwen_vl(model, mesh, "lm_only"),
+              "qwen_vl_tower": lambda model, mesh: shard_qwen_vl(model, mesh, "tower")}
 # ------------------------------------------------------------------------------------------------ (end architectures)
 
 

@@ -436,6 +436,17 @@ ARCH_ROWS += [
     _r("flux_ac_ample", "flux", "ac.unneeded", "diffusers' enable_gradient_checkpointing(), 8 GiB budget",
        knobs={"ac": "block"}, watch=AMPLE, min_severity="info", figure="checkpointed_units"),
 ]
+# (wt-vl) transformers' Qwen2.5-VL (tests/clients.py qwen_vl: a vision tower, then a language model). A new-user
+# trial: the language layers alone wrapped left the tower in the root (47% of the parameters; its plan pasted
+# 16.98 -> 15.10 MiB as predicted), and with the tower sharded whole the plan split it into its blocks unasked
+ARCH_ROWS += [
+    _r("qwen_vl_tuned", "qwen_vl", None, "expert plan: embedding, each vision block, merger, each language layer, "
+       "[norm, lm_head], root", user_shard="qwen_vl_expert"),
+    _r("qwen_vl_lm_only", "qwen_vl", "wrap.params_in_root", "its language layers and the root only",
+       user_shard="qwen_vl_lm_only"),
+    _r("qwen_vl_tower", "qwen_vl", "wrap.params_in_root", "the vision tower whole, each language layer, the root",
+       user_shard="qwen_vl_tower"),
+]
 ROWS += ARCH_ROWS
 
 # (wt-gpt2) GPT-2 (Conv1D layers, learned position embeddings, lm_head tied to wte) and BERT for masked language

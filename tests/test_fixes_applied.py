@@ -213,6 +213,21 @@ def test_flux_plans_cover_both_block_lists(matrix):
             assert f"for block in model.{c}.children():" in code, (row, code)
 
 
+@pytest.mark.rows("qwen_vl_lm_only", "qwen_vl_tower")
+def test_qwen_vl_plans_move_the_roots_modules_and_keep_the_users_units(matrix):
+    """A Qwen2.5-VL wrapped by its language layers alone: the plan makes each vision block and the merger units (the
+    root held them). With the vision tower sharded whole by its user, the plan keeps that unit as it was (it split
+    the tower into its blocks, which the finding neither said nor predicted: a new-user trial). The rows' reruns
+    check the peak each predicts."""
+    lm_only, tower = _code(matrix, "qwen_vl_lm_only"), _code(matrix, "qwen_vl_tower")
+    assert "for block in model.model.visual.blocks.children():" in lm_only, lm_only
+    assert "fully_shard(model.model.visual.merger, mesh=mesh)" in lm_only, lm_only
+    assert "fully_shard(model.model.visual, mesh=mesh)" in tower and "visual.blocks" not in tower, tower
+    for code in (lm_only, tower):
+        assert "for block in model.model.language_model.layers.children():" in code, code
+        assert "fully_shard(model.model.language_model.embed_tokens, mesh=mesh)" in code, code
+
+
 # ------------------------------------------------------------------------------------------------ prefetch order
 def _run_order(report) -> tuple[list[str], list[str]]:
     """The non-root units in the order a rank's memory timeline marked their forward and backward starting (the
