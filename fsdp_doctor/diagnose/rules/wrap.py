@@ -647,10 +647,12 @@ class ParamsInRoot(Rule):
         text = (f"The root unit manages {fmt_bytes(root.unsharded_bytes)} of parameters outside the wrapped units: "
                 f"the blocks {E.fmt_list(blocks)} among them. {held_text} {plug['text']}" if plug else
                 f"The root unit manages {fmt_bytes(root.unsharded_bytes)} of parameters outside the wrapped "
-                f"units. {held_text} Wrap them as units of their own before wrapping the root "
+                f"units. {held_text} "
+                + ("Make them units of their own " if lever else
+                   "Wrap them as units of their own before wrapping the root ")
                 # named as the snippet names them, from the user's `model` (the fqns "model.embed_tokens, lm_head" read
                 # beside code on model.model.embed_tokens and model.lm_head: a new-user trial's CausalLM)
-                f"({named(moved)}"
+                + f"({named(moved)}"
                 # (a transformer's embeddings, final norm and head, said of a U-Net's mid block: a new-user trial)
                 + ("; modules tied to another one, such as an output head sharing the embedding's weight, must "
                    "stay together: the snippet leaves them in the root" if set(root.tied_modules) - set(chunked) else
