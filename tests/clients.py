@@ -608,7 +608,8 @@ VL_PATCHES, VL_IMAGE_TOKENS, VL_SEQ = 64, 16, 48
 VL_IMAGE, VL_START, VL_END = 1000, 1002, 1003  # token ids: the image's placeholder, its start and end
 
 
-def qwen_vl():
+def qwen_vl(bf16: bool = False):
+    """The Qwen2.5-VL tree (``bf16``: its parameters in bfloat16, as a checkpoint loaded with dtype=torch.bfloat16)."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     torch.manual_seed(0)
@@ -621,7 +622,8 @@ def qwen_vl():
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}),
         image_token_id=VL_IMAGE, video_token_id=1001, vision_start_token_id=VL_START, vision_end_token_id=VL_END)
     cfg._attn_implementation = "sdpa"
-    return Qwen2_5_VLForConditionalGeneration(cfg)
+    model = Qwen2_5_VLForConditionalGeneration(cfg)
+    return model.to(torch.bfloat16) if bf16 else model
 
 
 def qwen_vl_item(g: torch.Generator) -> dict:

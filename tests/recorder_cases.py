@@ -852,7 +852,7 @@ def run_accelerate_fixes(out: Path) -> dict:
     res = {}
 
     def run(name, fix=None, capacity=8 << 30, mixed="no", ac=False, width=512, seq=SEQ,
-            wrap="transformer_based_wrap", foreach=None, layers=2, flux=False, vl=False):
+            wrap="transformer_based_wrap", foreach=None, layers=2, flux=False, vl=False, load_bf16=False):
         AcceleratorState._reset_state()  # a new Accelerator per run (the process group stays)
         acc = Accelerator(cpu=True, mixed_precision=mixed)
         plugin = FullyShardedDataParallelPlugin(
@@ -864,7 +864,7 @@ def run_accelerate_fixes(out: Path) -> dict:
             plugin.set_mixed_precision(mixed)
         force_fsdp(acc.state, plugin)
         torch.manual_seed(0)
-        model = clients.flux() if flux else clients.qwen_vl() if vl else LlamaForCausalLM(llama_config(
+        model = clients.flux() if flux else clients.qwen_vl(load_bf16) if vl else LlamaForCausalLM(llama_config(
             width, max_position_embeddings=max(2 * SEQ, seq), num_hidden_layers=layers))
         on_opt = fix is not None and "optimizer.param_groups" in fix  # (where "optimizer": after prepare)
         if fix and not on_opt:  # where it says: with the Accelerator built, before accelerator.prepare(model)
@@ -901,6 +901,10 @@ def run_accelerate_fixes(out: Path) -> dict:
                                   # a Qwen2.5-VL, the policy over both block classes: the vision merger (between the
                                   # stacks) left in the root
                                   ("vl_merger", "wrap.params_in_root", {"vl": True}),
+                                  # the same loaded in bfloat16 under mixed precision: prepare() upcasts it to
+                                  # float32, but not the merger the fix shards first
+                                  ("vl_merger_bf16", "wrap.params_in_root", {"vl": True, "mixed": "bf16",
+                                                                             "load_bf16": True}),
                                   # AdamW foreach (CUDA's default; asked for on the CPU), 8 layers: the step is the
                                   # peak (with 2, a layer gathered in backward and its gradients are more)
                                   ("tight_foreach", "optim.foreach_temporaries",

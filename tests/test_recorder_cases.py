@@ -498,6 +498,12 @@ def test_accelerate_plugin_fixes_set_the_plugin_before_prepare(accelerate_fixes_
         assert "mlp.0" not in f["text"] and "before accelerator.prepare(model)" in f["text"], f["text"]
         assert "model.visual.merger" in {u[0] for u in after["units"]} - {u[0] for u in before["units"]}, after
         assert after["peak"] < before["peak"], (before["peak"], after["peak"])
+        # loaded in bfloat16 under mixed precision: prepare() upcasts the parameters to float32 but not those of a
+        # module sharded first, whose bfloat16 shards then failed AdamW's first step; the fix upcasts them first
+        before, after, f = _plugin_fix(res, "vl_merger_bf16", "wrap.params_in_root", "accelerate")
+        assert "param.data = param.data.float()" in f["code"] and "param.data" not in res["vl_merger"]["findings"][
+            "wrap.params_in_root"]["code"], f["code"]
+        assert "model.visual.merger" in {u[0] for u in after["units"]}, after["units"]
         # on the optimizer prepare() returned: its param_groups and state are the AdamW's inside
         before, after, f = fixed_pair(res, "tight_foreach", "optim.foreach_temporaries", "optimizer", "accelerate")
         assert "group['foreach'], group['fused'] = False, True" in f["code"], f["code"]

@@ -1629,6 +1629,19 @@ def plugin_leftovers(t: Tree, lever: str, costs: Optional[LeftoverCosts] = None)
     in_block = lambda m: any(in_container(m, c, conts) for c in conts)  # noqa: E731
     lines = _leftover_lines(t, root, in_block, _unit_kwargs(root, inherit=True, mp=mp), None, costs)
     _, prepares, _ = _PLUGIN[lever]
+    if (getattr(root, "param_dtype", None) or "float32") != "float32" and "float32" in (root.orig_dtypes or []):
+        # under the plugin's mixed precision prepare() upcasts trainable parameters to float32 before it shards, but
+        # not a module's already sharded: pasted on a model loaded in bfloat16, its sharded parameters stayed bfloat16
+        # under float32 ones and AdamW's first step raised "expected dtype c10::BFloat16" (a new-user trial)
+        g = _leftover_groups(t, root, in_block, costs)
+        mods = [*(m for ms in g.lead.values() for m in ms), *g.tail]
+        lines = ["# in float32, as prepare() keeps trainable parameters under mixed precision (a",
+                 "# model loaded in bfloat16 is upcast there; a module sharded first is not)",
+                 f"for module in [{', '.join(module_expr(m) for m in mods)}]:" if len(mods) > 1 else
+                 f"for module in [{module_expr(mods[0])}]:",
+                 "    for param in module.parameters():",
+                 "        if param.requires_grad and param.dtype != torch.float32:",
+                 "            param.data = param.data.float()", *lines] if mods else lines
     # (the Trainer builds its optimizer in train(), after this)
     head = comment(f"the root's modules as units of their own; {prepares} then shards the rest around them (a module "
                    "already sharded keeps its unit)" + ("; before you build the optimizer, which must hold their "
