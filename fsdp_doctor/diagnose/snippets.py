@@ -1637,8 +1637,7 @@ def plugin_leftovers(t: Tree, lever: str, costs: Optional[LeftoverCosts] = None)
         mods = [*(m for ms in g.lead.values() for m in ms), *g.tail]
         lines = ["# in float32, as prepare() keeps trainable parameters under mixed precision (a",
                  "# model loaded in bfloat16 is upcast there; a module sharded first is not)",
-                 f"for module in [{', '.join(module_expr(m) for m in mods)}]:" if len(mods) > 1 else
-                 f"for module in [{module_expr(mods[0])}]:",
+                 _wrapped("for module in ", [module_expr(m) for m in mods], 79) + ":",
                  "    for param in module.parameters():",
                  "        if param.requires_grad and param.dtype != torch.float32:",
                  "            param.data = param.data.float()", *lines] if mods else lines
