@@ -824,7 +824,7 @@ def kept_in_root(t: Tree, costs: Optional[LeftoverCosts] = None) -> tuple[list[t
 
 
 def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
-                    costs: Optional[LeftoverCosts] = None) -> list[str]:
+                    costs: Optional[LeftoverCosts] = None, groups: Optional["_Leftovers"] = None) -> list[str]:
     """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
     that holds no unit and no tied module (``stem`` for ``stem.0``, ``stem.1``; ``model.embed_tokens`` under a
     ``model`` that holds the blocks); those after the last block (the final norm and head) grouped and kept
@@ -836,7 +836,7 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     modules, a group whose unit gains less than it costs (``leftover_stays``, from the run's ``costs``) stays there,
     and a comment says why; where it keeps none (nor parameters of its own), two groups or more stay where each and
     all of them together would free under MEMORY_ONLY_MIN_PEAK_SHARE of the peak (``_leftover_groups``)."""
-    g = _leftover_groups(t, root, in_block, costs)
+    g = groups or _leftover_groups(t, root, in_block, costs)  # (``groups``: the caller's, computed already)
     lead, tail, small, head_of, heads, nbytes = g.lead, g.tail, g.small, g.head_of, g.heads, g.nbytes
     stay, skip = [h for hs, _ in small for h in hs], g.skip
     said = ", ".join(module_expr(h) for h in stay)  # (as the code names them: a Llava's model.model.vision_tower...)
@@ -1627,13 +1627,13 @@ def plugin_leftovers(t: Tree, lever: str, costs: Optional[LeftoverCosts] = None)
     conts = t.containers()
     mp = _policy_vars(t.units)
     in_block = lambda m: any(in_container(m, c, conts) for c in conts)  # noqa: E731
-    lines = _leftover_lines(t, root, in_block, _unit_kwargs(root, inherit=True, mp=mp), None, costs)
+    g = _leftover_groups(t, root, in_block, costs)
+    lines = _leftover_lines(t, root, in_block, _unit_kwargs(root, inherit=True, mp=mp), None, costs, g)
     _, prepares, _ = _PLUGIN[lever]
     if (getattr(root, "param_dtype", None) or "float32") != "float32" and "float32" in (root.orig_dtypes or []):
         # under the plugin's mixed precision prepare() upcasts trainable parameters to float32 before it shards, but
         # not a module's already sharded: pasted on a model loaded in bfloat16, its sharded parameters stayed bfloat16
         # under float32 ones and AdamW's first step raised "expected dtype c10::BFloat16" (a new-user trial)
-        g = _leftover_groups(t, root, in_block, costs)
         mods = [*(m for ms in g.lead.values() for m in ms), *g.tail]
         lines = ["# in float32, as prepare() keeps trainable parameters under mixed precision (a",
                  "# model loaded in bfloat16 is upcast there; a module sharded first is not)",

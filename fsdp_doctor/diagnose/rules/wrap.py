@@ -621,10 +621,7 @@ class ParamsInRoot(Rule):
             peak_after, ceiling = peak - max(held, freed), freed > held
         t = root.timing
         wrapped = {m for u in allu if not u.is_root for m in u.modules}
-        # every module holding the root's parameters a unit of its own (tied ones stay, and the kept ones), the run's
-        # units as they were
         passed_on = getattr(ctx.config, "recipe_custom_layers", None) is not False
-        code = _root_plan(ctx, costs) if tune is None else S.torchtune_layers(tune, passed_on)
         # under accelerate's plugin, blocks left in the root are its policy's doing (no policy, or none matched;
         # accelerate gives the embedding and the final norm and head units of their own)
         # (blocks of the tree's containers: a Qwen2.5-VL's merger.mlp, an nn.Sequential(Linear, GELU, Linear), is
@@ -636,6 +633,10 @@ class ParamsInRoot(Rule):
         # between its block stacks): the user shards them before prepare(), which shards the rest around them (a plan
         # of every fully_shard call read "in place of your fully_shard calls" to an accelerate user, who has none)
         lever = E.plugin_lever(ctx) if not blocks and tune is None else None
+        # the fix: every module holding the root's parameters a unit of its own (tied ones stay, and the kept ones),
+        # the run's units as they were; under the plugin those modules alone, before prepare()
+        code = (S.plugin_leftovers(tree, lever, costs) if lever else _root_plan(ctx, costs) if tune is None else
+                S.torchtune_layers(tune, passed_on))
         # (a root given reshard_after_forward=True is resharded after its forward: a new-user trial's report said
         # it was not, beside reshard.last_unit saying it was; its forward and backward span the model's all the same)
         held_text = ("The root is not resharded after forward, so these stay gathered from the first forward to the "
@@ -664,7 +665,6 @@ class ParamsInRoot(Rule):
             text += (f" {says}, the plugin's auto-wrap policy made each block a unit and left these in the root: "
                      f"sharded by you before {prepares}, each is a unit of its own, and the plugin shards the rest "
                      "around them (it leaves a module already sharded as it is).")
-            code = S.plugin_leftovers(tree, lever, costs)
         if chunked:
             text += _PER_CHUNK.format(E.fmt_list([S.module_expr(m) for m in chunked]), ctx.config.output_chunks)
         if tune is not None:
