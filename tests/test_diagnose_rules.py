@@ -1335,6 +1335,40 @@ def test_frozen_unit_gathered_by_an_explicit_list_and_quiet_reasons():
     assert rule.match(_qwen2_tail_ctx(us)) == [] and "not recorded" in rule.why_quiet
 
 
+def test_frozen_tower_run_first_is_gathered_by_the_other_towers_first_layer():
+    """A CLIP trained with its vision tower frozen (LiT): its text tower comes first in module order, but its forward
+    runs the vision tower first, so FSDP2's default backward prefetch of text_model's first layer gathers the last
+    vision layer, which never runs backward (a new-user trial: 130.75 KiB per step; the rule read the module order and
+    said "no frozen unit comes before text_model.encoder.layers.0"). The run order is the memory timeline's."""
+    rule = next(c for c in RULES if c.code == "prefetch.frozen_gathered")()
+    frozen = dict(trainable_sharded_bytes=0, trainable_unsharded_bytes=0)
+    layer = dict(n_params=16, param_count=33_472, sharded_bytes=66_944, unsharded_bytes=133_888,
+                 orig_dtypes=["float32"])
+    text, vision = ["text_model.encoder.layers.0", "text_model.encoder.layers.1"], \
+        ["vision_model.encoder.layers.0", "vision_model.encoder.layers.1"]
+    us = [unit("", timing=dict(fwd_ms=8.0), trainable_sharded_bytes=100, trainable_unsharded_bytes=200)]
+    us += [unit(n, timing=dict(fwd_ms=2.8, ag_wait_fwd_ms=1.8, bwd_ms=2.7, ag_wait_bwd_ms=1.3), **layer,
+                trainable_sharded_bytes=66_944, trainable_unsharded_bytes=133_888) for n in text]
+    us += [unit(n, timing=dict(fwd_ms=2.5, ag_wait_fwd_ms=1.4), **layer, **frozen) for n in vision]
+    mem = memory(4_260_000)
+    marks = [(n, "forward_start") for n in vision + text] + [(n, "backward_start") for n in text[::-1]]
+    for r in mem["per_rank"].values():
+        r["timeline"] = [{"t_ms": float(i), "unit": u, "phase": ph, "total": 4_000_000} for i, (u, ph) in
+                         enumerate(marks)]
+    (f,) = rule.match(build(units=us, step_ms=94.7, memory=mem)[0])
+    assert f.evidence["gathered_for_nothing"] == ["vision_model.encoder.layers.1 (130.75 KiB), prefetched by "
+                                                  "text_model.encoder.layers.0's default (the previous unit in "
+                                                  "forward order)"]
+    assert f.recommendation.code == ("unit = model.get_submodule('text_model.encoder.layers.0')\n"
+                                     "# itself: gathered already, nothing to gather\n"
+                                     "unit.set_modules_to_backward_prefetch([unit])")
+    # run in module order (the text tower first), the frozen vision layers come after every trainable one
+    for r in mem["per_rank"].values():
+        r["timeline"] = [dict(row, unit=u) for row, u in zip(r["timeline"], text + vision + text[::-1])]
+    assert rule.match(build(units=us, step_ms=94.7, memory=mem)[0]) == []
+    assert "no frozen unit comes before text_model.encoder.layers.0" in rule.why_quiet
+
+
 def test_post_forward_order_and_unused_gather_windows():
     """FSDP2's post-forward order puts a unit after the units nested in it and the root last; the gathered-for-
     nothing bytes are held from the prefetching unit's backward_start to the frozen unit's backward_end."""
@@ -1345,6 +1379,11 @@ def test_post_forward_order_and_unused_gather_windows():
         unit("norm", param_count=0)]]
     assert [u.name for u in E.post_forward_order(us)] == ["emb", "layers.0.experts", "layers.0", "layers.1.experts",
                                                           "layers.1", ""]
+    # siblings in the order the run started their forward where it recorded each (the layers' experts in it or not)
+    run = ["layers.1", "layers.1.experts", "emb", "layers.0", "layers.0.experts", "norm"]
+    assert [u.name for u in E.post_forward_order(us, run)] == ["layers.1.experts", "layers.1", "emb",
+                                                               "layers.0.experts", "layers.0", ""]
+    assert [u.name for u in E.post_forward_order(us, run[:2])] == [u.name for u in E.post_forward_order(us)]
     tl = [{"unit": u, "phase": ph} for u, ph, _ in QWEN_TAIL_TIMELINE]
     assert E.unused_gather_windows(tl, "model.layers.2", "model.layers.1") == [(7, 11)]
     # without the frozen unit's backward_end: to the end of that backward

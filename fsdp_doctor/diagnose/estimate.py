@@ -652,14 +652,23 @@ def running_stats_under(us: Iterable[Unit], modules: Iterable[str], but: Iterabl
     return [n for n in dict.fromkeys(names) if under(n, tops) and not under(n, kept)]
 
 
-def post_forward_order(us: list[Unit]) -> list[Unit]:
+def post_forward_order(us: list[Unit], forward: Iterable[str] = ()) -> list[Unit]:
     """The units with parameters in FSDP2's post-forward order (``comm_ctx.post_forward_order``, which its implicit
     backward prefetch walks back along: each unit's pre-backward gathers the one before it): each unit after the
-    units nested in it, siblings in module order (forward order for sequential models), the root last."""
+    units nested in it, siblings in the order the run started their forward (``forward``, snippets.run_order) where
+    it recorded each of them, else in module order, the root last. (Module order alone put a CLIP's text tower
+    first, which its forward runs second: the first text layer's default prefetch of the frozen vision tower's last
+    layer in every backward read "no frozen unit comes before" it, a new-user trial.)"""
     names = {u.name for u in us}
+    pos: dict[str, int] = {}
+    for i, n in enumerate(forward):
+        pos.setdefault(n, i)
     kids: dict[Optional[str], list[Unit]] = {}
     for u in us:
         kids.setdefault(u.parent if u.parent in names else None, []).append(u)
+    for sibs in kids.values():
+        if len(sibs) > 1 and all(u.name in pos for u in sibs):
+            sibs.sort(key=lambda u: pos[u.name])
     out: list[Unit] = []
 
     def visit(u: Unit) -> None:
@@ -670,6 +679,15 @@ def post_forward_order(us: list[Unit]) -> list[Unit]:
     for u in kids.get(None, []):
         visit(u)
     return [u for u in out if u.param_count > 0]
+
+
+def in_forward_order(ctx, us: list[Unit]) -> list[Unit]:
+    """``us`` in the order the run started their forward (snippets.run_order) where it recorded each of them, else as
+    given (module order: a CLIP's text tower before its vision tower, which its forward runs first)."""
+    pos: dict[str, int] = {}
+    for i, n in enumerate(S.run_order(ctx)[0]):
+        pos.setdefault(n, i)
+    return sorted(us, key=lambda u: pos[u.name]) if all(u.name in pos for u in us) else list(us)
 
 
 def frozen_prefetches(us: list[Unit], idle: set[str]) -> Optional[list[tuple[Unit, str, bool]]]:

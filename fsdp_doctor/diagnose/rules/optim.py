@@ -616,7 +616,7 @@ class UntrainedParams(Rule):
         acts = {n: int(r.activation_bytes or 0) for n, r in mem.items()}
         inputs = {n: int(r.input_bytes) for n, r in mem.items() if r.input_bytes is not msgspec.UNSET}
         stem_acts = _stem_saved(pm.timeline if pm is not None else [], stem)
-        rest = E.non_root(E.param_units(ctx))[len(prefix):]
+        rest = E.in_forward_order(ctx, E.non_root(E.param_units(ctx)))[len(prefix):]
         after = rest[0].name if rest and (stem or prefix) else None  # (the first trained unit: its input is passed)
         prefix_acts = stem_acts + sum(acts.get(u.name, 0) for u in prefix)
         step = E.step_ms(ctx)
@@ -624,7 +624,7 @@ class UntrainedParams(Rule):
         # last of it (FSDP2's default, the previous unit: prefetch.frozen_gathered): the fix gives that unit a
         # list without it (None: a unit with several parameter groups, not modelled, so that gather stays)
         idle = {u.name for u in prefix}
-        found = E.frozen_prefetches(E.post_forward_order(E.units(ctx)), idle) if prefix else []
+        found = E.frozen_prefetches(E.post_forward_order(E.units(ctx), S.run_order(ctx)[0]), idle) if prefix else []
         lists = E.prefetch_lists_without(found, idle) if found else {}
         gathered = [u for u in prefix if found is not None or u is not prefix[-1]]
         # their backward's compute goes, their backward all-gathers (on a GPU the trace's exposed time: the host
@@ -718,7 +718,7 @@ def _frozen_prefix(ctx: Context, ut) -> tuple[Optional[_Stem], list]:
         if any(m not in trailing for m in own):
             stem = _Stem(root.name, [m for m in own if m not in trailing], trained)
     out = []
-    for u in E.non_root(us):
+    for u in E.in_forward_order(ctx, E.non_root(us)):
         untrained, trained = ut.units.get(u.name, [0, 0])
         if trained or (not untrained and u.trainable_unsharded_bytes):
             break

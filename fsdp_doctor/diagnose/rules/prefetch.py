@@ -454,7 +454,7 @@ class FrozenGathered(Rule):
     severities = ("info", "warning")
 
     def match(self, ctx: Context):
-        us = E.post_forward_order(E.units(ctx))
+        us = E.post_forward_order(E.units(ctx), S.run_order(ctx)[0])
         if any(u.trainable_sharded_bytes is None for u in us):
             return self.quiet("which parameters train was not recorded (a snapshot older than its trainable bytes)")
         first = next((i for i, u in enumerate(us) if E.grad_shard_bytes(u) > 0), None)
