@@ -664,11 +664,44 @@ def shard_qwen_vl(model, mesh, plan: str = "expert"):
     return fully_shard(model, mesh=mesh)
 
 
+# (wt-clip) a dual encoder trained contrastively, transformers' CLIPModel: its text tower (text_model: embeddings,
+# encoder.layers.N, final_layer_norm) first in module order, its vision tower (vision_model: embeddings, pre_layrnorm,
+# encoder.layers.N, post_layernorm) first in its forward; the two projections and logit_scale in the root. A new-user
+# trial's LiT (the vision tower frozen): the first text unit's default backward prefetch gathered the last vision
+# layer in every backward, and prefetch.frozen_gathered, reading module order, said no frozen unit came before it
+def clip(lit: bool = False):
+    """The CLIP tree (``lit``: its vision tower and projection frozen, as locked-image tuning trains the text tower)."""
+    from transformers import CLIPConfig, CLIPModel
+
+    torch.manual_seed(0)
+    cfg = CLIPConfig(text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                      num_attention_heads=4, max_position_embeddings=SEQ),
+                     vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, image_size=32, patch_size=8),
+                     projection_dim=32)
+    cfg._attn_implementation = "sdpa"
+    model = CLIPModel(cfg)
+    # fully_shard refuses a scalar parameter ("Change logit_scale to a 1D tensor with numel equal to 1"): as users do
+    model.logit_scale = nn.Parameter(model.logit_scale.detach().reshape(1))
+    if lit:
+        model.vision_model.requires_grad_(False)
+        model.visual_projection.requires_grad_(False)
+    return model
+
+
+def clip_loss(model, g: torch.Generator, batch_size: int, seq: int, device):
+    """CLIP's own contrastive loss: each image of the batch against each text."""
+    ids = torch.randint(0, 512, (batch_size, seq), generator=g)
+    pixels = torch.randn(batch_size, 3, 32, 32, generator=g)
+    return model(input_ids=ids.to(device), pixel_values=pixels.to(device), return_loss=True).loss
+
+
 def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
             "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",
             "BertForMaskedLM": "bert", "GPTNeoXForCausalLM": "neox",
-            "FluxTransformer2DModel": "flux", "Qwen2_5_VLForConditionalGeneration": "qwen_vl"}.get(
+            "FluxTransformer2DModel": "flux", "Qwen2_5_VLForConditionalGeneration": "qwen_vl",
+            "CLIPModel": "clip"}.get(
         type(model).__name__, "")
 
 
@@ -689,6 +722,8 @@ def arch_blocks(model) -> list:
         return list(model.transformer_blocks) + list(model.single_transformer_blocks)
     if kind == "qwen_vl":  # the vision tower's blocks, then the language model's layers
         return list(model.model.visual.blocks) + list(model.model.language_model.layers)
+    if kind == "clip":  # (in module order, the text tower's first)
+        return list(model.text_model.encoder.layers) + list(model.vision_model.encoder.layers)
     return list(model.model.layers) if kind == "mixtral" else []
 
 
@@ -712,6 +747,8 @@ def arch_ends(model):
     if kind == "qwen_vl":  # (the vision merger, between the stacks, neither)
         vis, lm = model.model.visual, model.model.language_model
         return [vis.patch_embed, lm.embed_tokens], [lm.norm, model.lm_head]
+    if kind == "clip":  # the text embeddings (the token table); the rest of the root's own is a few KiB
+        return [model.text_model.embeddings], []
     return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
 
 
@@ -737,12 +774,15 @@ def shard_moe_experts_blocks_only(model, mesh):
 def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[int, int], device):
     """The user's loss on an architecture tree (None for other trees): T5 from source and target tokens (the
     decoder's inputs are the targets shifted right), ViT from images, Flux by flow matching (flux_loss), Qwen2.5-VL
-    from an image and text per sample (qwen_vl_loss)."""
+    from an image and text per sample (qwen_vl_loss), CLIP contrastively over twice the batch's images and texts
+    (clip_loss)."""
     g = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
     if client.startswith("flux"):
         return flux_loss(model, g, size[0], device)
     if client.startswith("qwen_vl"):
         return qwen_vl_loss(model, g, size[0], device)
+    if client.startswith("clip"):
+        return clip_loss(model, g, 2 * size[0], size[1], device)
     if client.startswith("vit"):
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(pixel_values=x.to(device)).logits, y.to(device))
@@ -761,7 +801,7 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
 
 
 ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "gpt2_wide": gpt2_wide, "bert": bert,
-              "neox": neox, "flux": flux, "qwen_vl": qwen_vl}
+              "neox": neox, "flux": flux, "qwen_vl": qwen_vl, "clip": clip}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only,
               "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate"),
               "flux_double_only": shard_flux_double_only, "qwen_vl_expert": shard_qwen_vl,
@@ -813,7 +853,7 @@ def qwen2_tail():
     return model
 
 
-FINETUNE = {"hf_llama_lora": hf_llama_lora, "qwen2_tail": qwen2_tail}
+FINETUNE = {"hf_llama_lora": hf_llama_lora, "qwen2_tail": qwen2_tail, "clip_lit": lambda: clip(lit=True)}
 # ------------------------------------------------------------------------------------------------ (end fine-tuning)
 
 

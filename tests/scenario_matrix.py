@@ -447,6 +447,8 @@ ARCH_ROWS += [
     _r("qwen_vl_tower", "qwen_vl", "wrap.params_in_root", "the vision tower whole, each language layer, the root",
        user_shard="qwen_vl_tower"),
 ]
+# (wt-clip) transformers' CLIPModel trained contrastively (tests/clients.py clip: its vision tower runs first)
+ARCH_ROWS += [_r("clip_tuned", "clip", None, "expert plan: text embeddings, each layer of both towers, root")]
 ROWS += ARCH_ROWS
 
 # (wt-gpt2) GPT-2 (Conv1D layers, learned position embeddings, lm_head tied to wte) and BERT for masked language
@@ -547,6 +549,12 @@ FINETUNE_ROWS: list[Row] = [
     _r("qwen2_tail_exposed_allgather", "qwen2_tail", "prefetch.exposed_allgather",
        "trainable tail, FSDP's implicit prefetch on gloo, 4 micro-batches of 16 tokens", knobs=GATHER_BOUND,
        min_severity="info", gpu_gain=True, profile=True),
+    # locked-image tuning of a CLIP (the vision tower frozen): its forward runs the vision tower before the text
+    # tower, which module order puts first, so the first text unit's default backward prefetch gathers the last
+    # vision layer in every backward (the rule once read module order and stayed quiet)
+    _r("clip_lit_frozen_gather", "clip_lit", "prefetch.frozen_gathered",
+       "LiT, expert plan: the last frozen vision layer gathered by the text embeddings' backward", profile=True,
+       min_severity="info"),
 ]
 ROWS += FINETUNE_ROWS
 # ------------------------------------------------------------------------------------------------ (end fine-tuning)

@@ -398,6 +398,8 @@ def _constructed_snippets() -> list[list[str]]:
             return "sequential"
         if re.search(r"'model\.layers\.\d+'", s):  # a Hugging Face decoder's units: the frozen-base fine-tuning tree
             return "qwen2_tail"
+        if "text_model." in s or "vision_model." in s:  # a dual encoder's towers (the trial's CLIP, LiT)
+            return "clip_lit"
         if "model.model.visual" in s:  # a vision-language model's two stacks (the trial's Qwen2.5-VL)
             return "qwen_vl"
         if "block.mlp.experts" in s or "model.model.layers" in s:  # a CausalLM's decoder (the trial's Mixtral)

@@ -197,6 +197,28 @@ def test_frozen_unit_gather_gone_with_losses_unchanged(matrix):
     assert after < before, (after, before)
 
 
+@pytest.mark.rows("clip_lit_frozen_gather")
+def test_frozen_tower_run_first_gathered_by_the_other_tower_gone_with_losses_unchanged(matrix):
+    """A CLIP's LiT (the vision tower frozen): its forward runs the vision tower first, so the first trainable unit
+    in that order, the text embeddings, gathers the last vision layer in every backward by FSDP2's default prefetch
+    (module order puts the text tower first: the rule read it and stayed quiet, a new-user trial). The fix gives the
+    text embeddings a list of their own: the trace's backward all-gather of the vision layer gone on every rank, the
+    losses bit-identical."""
+    o = _ran(matrix["clip_lit_frozen_gather"])
+    assert o.after is not None, o.after_error or o.rerun_note
+    (f,) = [f for f in o.report.findings if f.rule == "prefetch.frozen_gathered"]
+    assert f.evidence["gathered_for_nothing"] == ["vision_model.encoder.layers.2 (130.75 KiB), prefetched by "
+                                                  "text_model.embeddings's default (the previous unit in forward "
+                                                  "order)"], f.evidence
+
+    def backward_gathers(rep) -> set:
+        return {(r.rank, r.unit) for r in rep.overlap.per_unit if r.collective == "all_gather" and r.phase == "backward"}
+
+    assert {(0, "vision_model.encoder.layers.2"), (1, "vision_model.encoder.layers.2")} <= backward_gathers(o.report)
+    assert not {u for _, u in backward_gathers(o.after)} & {f"vision_model.encoder.layers.{i}" for i in range(3)}
+    assert o.result["losses"] == o.after_result["losses"]
+
+
 @pytest.mark.rows("lora_blocks_only")
 def test_plan_for_a_frozen_root_gathers_its_new_leading_unit_for_nothing_never(matrix):
     """wrap.params_in_root on a LoRA model (its frozen embeddings, final norm and head left in the root): the plan makes
