@@ -482,6 +482,16 @@ def test_params_in_root():
     # module is an FSDP unit": a new-user trial)
     assert run_status("wrap.params_in_root", build()[0]).reason == "the root unit holds no parameters"
     assert f.predicted["peak_bytes_after"] == 10 * MiB - (558_080 - 279_040)
+    # its gain is memory only: 2.7% of the peak is a warning where the capacity is unknown or the peak near it, a
+    # note where the peak is far below it (a new-user trial's CLIP at 2% of 200 MiB read a warning for 2.4%)
+    assert f.severity == "warning"
+    (n,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB, capacity=500 * MiB))[0])
+    assert n.severity == "info" and n.predicted == f.predicted
+    assert n.recommendation.text.endswith("A note: the plan frees 2.7% of a peak at 2.0% of the 500.00 MiB capacity "
+                                          "(a warning from 10% of the peak, or with the peak near capacity)."), \
+        n.recommendation.text
+    (w,) = run_rule("wrap.params_in_root", build(units=us, memory=memory(10 * MiB, capacity=11 * MiB))[0])
+    assert w.severity == "warning" and "A note" not in w.recommendation.text
     # the step: on gloo the new units' collectives cost the host per call (a new-user trial measured +63% and +85%
     # where "unchanged" was predicted): not predicted, and said; on a GPU they overlap as the blocks' do: unchanged
     assert f.predicted["step_ms_after"] is None and "the step time is not predicted" in f.recommendation.text
