@@ -660,9 +660,7 @@ def post_forward_order(us: list[Unit], forward: Iterable[str] = ()) -> list[Unit
     first, which its forward runs second: the first text layer's default prefetch of the frozen vision tower's last
     layer in every backward read "no frozen unit comes before" it, a new-user trial.)"""
     names = {u.name for u in us}
-    pos: dict[str, int] = {}
-    for i, n in enumerate(forward):
-        pos.setdefault(n, i)
+    pos = _first_at(forward)
     kids: dict[Optional[str], list[Unit]] = {}
     for u in us:
         kids.setdefault(u.parent if u.parent in names else None, []).append(u)
@@ -681,12 +679,18 @@ def post_forward_order(us: list[Unit], forward: Iterable[str] = ()) -> list[Unit
     return [u for u in out if u.param_count > 0]
 
 
+def _first_at(names: Iterable[str]) -> dict[str, int]:
+    """Each name's first position in ``names``."""
+    pos: dict[str, int] = {}
+    for i, n in enumerate(names):
+        pos.setdefault(n, i)
+    return pos
+
+
 def in_forward_order(ctx, us: list[Unit]) -> list[Unit]:
     """``us`` in the order the run started their forward (snippets.run_order) where it recorded each of them, else as
     given (module order: a CLIP's text tower before its vision tower, which its forward runs first)."""
-    pos: dict[str, int] = {}
-    for i, n in enumerate(S.run_order(ctx)[0]):
-        pos.setdefault(n, i)
+    pos = _first_at(S.run_order(ctx)[0])
     return sorted(us, key=lambda u: pos[u.name]) if all(u.name in pos for u in us) else list(us)
 
 
