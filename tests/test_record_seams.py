@@ -527,6 +527,47 @@ def test_a_chunked_loss_is_the_loss_phase_through_every_chunk(tmp_path, gloo_one
     assert not [r for r in loss if r[1] == "in_forward" and r[0] != "output"], loss
 
 
+def test_a_unit_the_model_calls_several_times_is_no_chunked_head(tmp_path, gloo_one_rank):
+    """ALBERT applies one shared layer group once per layer: one unit called 6 times inside the model's forward. Its
+    calls beyond one a pass read as an output head that a loss outside the model runs per chunk (torchtitan's
+    ChunkedLossWrapper): the run's facts said a loss in 6 chunks (a new-user trial). The memory timeline shows where
+    each call starts: inside the root's forward, so none; the chunked loss's head, after it (the test above)."""
+    from msgspec import UNSET
+    from torch.distributed.fsdp import fully_shard
+
+    import fsdp_doctor
+    from fsdp_doctor.analyze.report import run_facts
+    from fsdp_doctor.analyze.steps import called_outside_forward
+
+    class Shared(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.shared, self.output = (torch.nn.Linear(64, 64) for _ in range(3))
+
+        def forward(self, x):
+            h = self.embed(x)
+            for _ in range(3):
+                h = self.shared(h).relu()
+            return self.output(h)
+
+    torch.manual_seed(0)
+    m = Shared()
+    fully_shard(m.shared)
+    fully_shard(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with fsdp_doctor.watch(m, opt, out_dir=tmp_path, profile=False) as doc:
+        for _ in range(4):
+            m(torch.randn(32, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            doc.step()
+    run = fsdp_doctor.load_run(tmp_path)
+    assert {u.fwd_calls for s in run.ranks[0].steps for u in s.units if u.name == "shared"} == {3}
+    assert called_outside_forward(run.ranks) == set()
+    assert run_facts(run).loss_chunks is UNSET
+    assert called_outside_forward(_watched_chunked_loss(tmp_path / "chunked", 2).ranks) == {"output"}
+
+
 def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp_path, gloo_one_rank):
     """A Ctrl-C (KeyboardInterrupt) or an error raised through the with-block left no end record: the report said
     "did not finish (run still going, or killed)" (a new-user trial). The end record now says the exception; the

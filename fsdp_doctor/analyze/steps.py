@@ -322,18 +322,46 @@ def forward_passes(s: StepRecord, modules: dict[str, int]) -> float:
     return max(s.micro_batches, min(calls, default=1))
 
 
+def called_outside_forward(ranks: dict) -> Optional[set[str]]:
+    """The units whose forward started outside the model's, after the root unit's forward ended and before its
+    backward began, in any step with a memory timeline (a loss that runs the output head per chunk: torchtitan's
+    ChunkedLossWrapper); None where no step's timeline marks the root's forward (no root unit, no timeline)."""
+    found: Optional[set[str]] = None
+    for rd in ranks.values():
+        for s in rd.steps:
+            tl = s.memory.timeline if s.memory is not None else None
+            if tl is None or not tl.rows or "unit" not in tl.columns or "phase" not in tl.columns:
+                continue
+            iu, ip = tl.columns.index("unit"), tl.columns.index("phase")
+            after = root = False
+            for row in tl.rows:
+                unit, phase = row[iu], row[ip]
+                if unit == "":
+                    root = True
+                    after = phase == "forward_end" or (after and phase not in ("forward_start", "backward_start"))
+                elif after and unit is not None and phase == "forward_start":
+                    found = (found or set()) | {unit}
+            if root and found is None:
+                found = set()
+    return found
+
+
 def calls_beyond_model(config, ranks: dict) -> dict[str, list[tuple[float, float]]]:
     """Per unit, per usable step of every rank (``ranks``: a Run's): its forward calls beyond those the model's forward
     passes make (one per module per pass: :func:`forward_passes`), and those passes; in one pass over the steps. Code
     outside the model's forward called a unit with calls beyond (a loss that runs the output head per chunk:
-    torchtitan's ChunkedLossWrapper)."""
+    torchtitan's ChunkedLossWrapper). A unit the timelines show called inside the model's forward only has none: the
+    model calls it several times (ALBERT's one shared layer group, applied once per layer, read as an output head
+    run in 6 chunks of the loss: a new-user trial)."""
     modules = unit_modules(config.units if config is not None else [])
+    outside = called_outside_forward(ranks)
     out: dict[str, list[tuple[float, float]]] = {}
     for rd in ranks.values():
         for s in usable_steps(rd.steps):
             passes = forward_passes(s, modules)
             for u in s.units:
-                out.setdefault(u.name, []).append((u.fwd_calls - modules.get(u.name, 1) * passes, passes))
+                beyond = u.fwd_calls - modules.get(u.name, 1) * passes
+                out.setdefault(u.name, []).append((beyond if outside is None or u.name in outside else 0.0, passes))
     return out
 
 
