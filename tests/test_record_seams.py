@@ -527,7 +527,7 @@ def test_a_chunked_loss_is_the_loss_phase_through_every_chunk(tmp_path, gloo_one
     assert not [r for r in loss if r[1] == "in_forward" and r[0] != "output"], loss
 
 
-def test_a_unit_the_model_calls_several_times_is_no_chunked_head(tmp_path, gloo_one_rank):
+def test_a_unit_the_model_calls_several_times_is_no_chunked_head_and_kept_gathered_saves_its_calls(tmp_path, gloo_one_rank):
     """ALBERT applies one shared layer group once per layer: one unit called 6 times inside the model's forward. Its
     calls beyond one a pass read as an output head that a loss outside the model runs per chunk (torchtitan's
     ChunkedLossWrapper): the run's facts said a loss in 6 chunks (a new-user trial). The memory timeline shows where
@@ -538,6 +538,8 @@ def test_a_unit_the_model_calls_several_times_is_no_chunked_head(tmp_path, gloo_
     import fsdp_doctor
     from fsdp_doctor.analyze.report import run_facts
     from fsdp_doctor.analyze.steps import called_outside_forward
+    from fsdp_doctor.diagnose import estimate as E
+    from fsdp_doctor.diagnose.base import Context
 
     class Shared(torch.nn.Module):
         def __init__(self):
@@ -565,7 +567,19 @@ def test_a_unit_the_model_calls_several_times_is_no_chunked_head(tmp_path, gloo_
     assert {u.fwd_calls for s in run.ranks[0].steps for u in s.units if u.name == "shared"} == {3}
     assert called_outside_forward(run.ranks) == set()
     assert run_facts(run).loss_chunks is UNSET
-    assert called_outside_forward(_watched_chunked_loss(tmp_path / "chunked", 2).ranks) == {"output"}
+    # kept gathered after forward, it is gathered once a pass instead of 3 times, and twice in backward instead of 3
+    # times: what that saves is its backward all-gather wait's third and its forward wait's two thirds
+    ctx = Context(run=run, report=fsdp_doctor.build_report(run))
+    (u,) = [u for u in E.units(ctx) if u.name == "shared"]
+    assert E.calls_per_pass(ctx, "shared") == 3 and E.calls_per_pass(ctx, "") == 1
+    assert E.kept_gathered_saves_ms(ctx, u)[0] == pytest.approx(E.ag_wait_ms(u, "backward") / 3
+                                                                 + E.ag_wait_ms(u, "forward") * 2 / 3)
+    assert "shared, called 3 times a forward pass, is all-gathered once a pass instead of 3 times, and 2 times in " \
+           "backward instead of 3" in E.repeated_words(ctx, [u])
+    chunked = _watched_chunked_loss(tmp_path / "chunked", 2)
+    assert called_outside_forward(chunked.ranks) == {"output"}
+    ctx = Context(run=chunked, report=fsdp_doctor.build_report(chunked))
+    assert E.calls_per_pass(ctx, "output") == 1 and E.repeated_words(ctx, E.units(ctx)) == ""
 
 
 def test_a_loop_that_raises_through_watch_reads_as_stopped_on_that_exception(tmp_path, gloo_one_rank):

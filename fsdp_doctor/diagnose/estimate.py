@@ -1379,6 +1379,45 @@ def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
     return allgather_ms(ctx, u, "backward")
 
 
+def calls_per_pass(ctx: Context, name: str) -> int:
+    """The times the model's forward calls unit ``name`` in one pass (ALBERT's one shared layer group: once per
+    layer), the median over every rank's usable steps; 1 where not recorded, or where code outside the model's
+    forward makes the calls beyond one (a loss running the output head per chunk: analyze.steps)."""
+    from ..analyze.steps import called_outside_forward, forward_passes, unit_modules, usable_steps
+
+    ranks = getattr(ctx.run, "ranks", None) or {}
+    outside = called_outside_forward(ranks)
+    if outside is None or name in outside:
+        return 1
+    modules = unit_modules(ctx.config.units if ctx.config is not None else [])
+    per = [u.fwd_calls / (modules.get(name, 1) * forward_passes(s, modules)) for rd in ranks.values()
+           for s in usable_steps(rd.steps) for u in s.units if u.name == name and u.fwd_calls]
+    return max(1, round(statistics.median(per))) if per else 1
+
+
+def kept_gathered_saves_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
+    """(ms per step that keeping unit ``u`` gathered after forward saves, source; as ``allgather_ms``): its backward
+    all-gather wait; for a unit the model calls k times a pass, its k - 1 later forward calls' all-gathers too, and of
+    its backward ones only the first's: FSDP2 reshards it after each call's backward. (ALBERT's shared layer group, 6
+    calls a pass, kept gathered: 6 -> 1 all-gathers in forward, 6 -> 5 in backward; "its backward all-gather" alone
+    read 3.9 ms of the 21.1 ms its forward calls waited: a new-user trial.)"""
+    bwd, src = backward_allgather_ms(ctx, u)
+    k = calls_per_pass(ctx, u.name)
+    if bwd is None or k < 2:
+        return bwd, src
+    fwd, _ = allgather_ms(ctx, u, "forward")
+    return bwd / k + (fwd or 0.0) * (k - 1) / k, src
+
+
+def repeated_words(ctx: Context, us: Iterable[Unit]) -> str:
+    """What keeping gathered the units of ``us`` the model calls several times a pass saves (``kept_gathered_saves_ms``),
+    as a sentence; "" for none."""
+    said = [f"{u.name}, called {k} times a forward pass, is all-gathered once a pass instead of {k} times, and "
+            f"{k - 1} times in backward instead of {k} (FSDP2 reshards it after each call's backward)"
+            for u in us if (k := calls_per_pass(ctx, u.name)) >= 2]
+    return f" Kept gathered, {'; '.join(said)}." if said else ""
+
+
 def backward_allgather_comm_ms(ctx: Context, name: str) -> Optional[float]:
     """The GPU trace's whole backward all-gather time for a unit (ms per step, median over ranks), exposed or
     not: what keeping it gathered removes at most. None on a CPU: a gloo trace times the host's side of each call

@@ -207,7 +207,7 @@ class ExposedAllGather(Rule):
         # gathered they cost memory for nothing)
         # (the waits as reshard.zero2_affordable measures them, the GPU trace's where there is one: the host's
         # clock read ~7.9 ms beside its 70.0 ms for the same units, a new-user trial on the H100 fixture)
-        waits = {u.name: E.backward_allgather_ms(ctx, u)[0] or 0.0 for u in E.non_root(us)} if bwd > 0 else {}
+        waits = {u.name: E.kept_gathered_saves_ms(ctx, u)[0] or 0.0 for u in E.non_root(us)} if bwd > 0 else {}
         z2 = [u for u in E.non_root(us) if not E.kept_gathered(u) and E.gathered_in_backward(u)
               and waits.get(u.name, 0.0) > 0]
         saved_bwd = sum(waits[u.name] for u in z2)
@@ -273,9 +273,10 @@ class ExposedAllGather(Rule):
         elif cpu and not has_fwd_prefetch:
             text += _GLOO_NO_GAIN
         if saved_bwd > 0:
+            again = E.repeated_words(ctx, z2)
             text += (f" Separately, reshard_after_forward=False on the resharded units would remove up to "
-                     f"~{saved_bwd:.1f} ms of backward waits for +{fmt_bytes(added)} (reshard.zero2_affordable "
-                     "weighs it per unit against the memory budget).")
+                     f"~{saved_bwd:.1f} ms of {'all-gather' if again else 'backward'} waits for +{fmt_bytes(added)} "
+                     f"(reshard.zero2_affordable weighs it per unit against the memory budget).{again}")
         if notes:
             text += " Note: " + "; ".join(notes) + "."
         gain = 0.0 if has_fwd_prefetch else saved  # (nothing to paste: no gain of its own)

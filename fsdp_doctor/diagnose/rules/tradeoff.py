@@ -117,7 +117,7 @@ class Zero2PerUnit(Rule):
         rows: list[_Candidate] = []
         source = ""
         for u in cands:
-            saved, src = E.backward_allgather_ms(ctx, u)
+            saved, src = E.kept_gathered_saves_ms(ctx, u)
             if saved is None or saved <= 0 or u.unsharded_bytes <= 0:
                 continue
             source = source or src
@@ -161,7 +161,8 @@ class Zero2PerUnit(Rule):
         text = (f"The peak is {fmt_share(peak / cap, 1)} of capacity ({fmt_bytes(peak)} of {fmt_bytes(cap)}; the budget "
                 f"is {100 * ZERO2_MAX_SHARE:.0f}%). Keeping a unit gathered after forward (ZeRO-2 for that unit) "
                 "holds its unsharded parameters from its forward to its backward and removes its backward "
-                f"all-gather. Flip {len(us)} of {n_of} unit(s), best time saved per byte first: "
+                f"all-gather.{E.repeated_words(ctx, us)} Flip {len(us)} of {n_of} unit(s), best time saved per byte "
+                "first: "
                 f"{E.fmt_list(names)}: -{saved:.1f} ms per step (the measured wait), peak "
                 f"{fmt_bytes(peak)} -> {fmt_bytes(peak_after)} ({fmt_share(peak_after / cap, 1)} of capacity).")
         if left:
