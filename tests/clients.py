@@ -696,12 +696,26 @@ def clip_loss(model, g: torch.Generator, batch_size: int, seq: int, device):
     return model(input_ids=ids.to(device), pixel_values=pixels.to(device), return_loss=True).loss
 
 
+# (wt-albert) ALBERT for masked language modelling: one shared layer group (albert.encoder.albert_layer_groups.0)
+# that its forward applies once per layer, 6 calls a pass; its MLM decoder tied to the word embeddings. A new-user
+# trial: its calls read as an output head run per loss chunk, and keeping it gathered counted its backward waits alone
+def albert():
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    torch.manual_seed(0)
+    cfg = AlbertConfig(vocab_size=512, embedding_size=32, hidden_size=64, num_hidden_layers=6, num_hidden_groups=1,
+                       num_attention_heads=4, intermediate_size=128, max_position_embeddings=SEQ,
+                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg._attn_implementation = "sdpa"
+    return AlbertForMaskedLM(cfg)
+
+
 def _arch(model) -> str:
     return {"T5ForConditionalGeneration": "t5", "MixtralForCausalLM": "mixtral",
             "ViTForImageClassification": "vit", "GPT2LMHeadModel": "gpt2",
             "BertForMaskedLM": "bert", "GPTNeoXForCausalLM": "neox",
             "FluxTransformer2DModel": "flux", "Qwen2_5_VLForConditionalGeneration": "qwen_vl",
-            "CLIPModel": "clip"}.get(
+            "CLIPModel": "clip", "AlbertForMaskedLM": "albert"}.get(
         type(model).__name__, "")
 
 
@@ -722,6 +736,8 @@ def arch_blocks(model) -> list:
         return list(model.transformer_blocks) + list(model.single_transformer_blocks)
     if kind == "qwen_vl":  # the vision tower's blocks, then the language model's layers
         return list(model.model.visual.blocks) + list(model.model.language_model.layers)
+    if kind == "albert":  # its one layer group, which the forward applies once per layer
+        return [model.albert.encoder.albert_layer_groups[0]]
     if kind == "clip":  # (in module order, the text tower's first)
         return list(model.text_model.encoder.layers) + list(model.vision_model.encoder.layers)
     return list(model.model.layers) if kind == "mixtral" else []
@@ -747,6 +763,8 @@ def arch_ends(model):
     if kind == "qwen_vl":  # (the vision merger, between the stacks, neither)
         vis, lm = model.model.visual, model.model.language_model
         return [vis.patch_embed, lm.embed_tokens], [lm.norm, model.lm_head]
+    if kind == "albert":  # (the word embeddings tied to the MLM decoder: both stay in the root)
+        return [model.albert.embeddings], [model.predictions]
     if kind == "clip":  # the text embeddings (the token table); the rest of the root's own is a few KiB
         return [model.text_model.embeddings], []
     return ([model.model.embed_tokens], [model.model.norm, model.lm_head]) if kind == "mixtral" else None
@@ -786,7 +804,7 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
     if client.startswith("vit"):
         x, y = torch.randn(2 * size[0], 3, 16, 16, generator=g), torch.randint(0, 10, (2 * size[0],), generator=g)
         return F.cross_entropy(model(pixel_values=x.to(device)).logits, y.to(device))
-    if client.startswith("bert"):  # masked language modelling: 15% of the tokens masked, the loss on those
+    if client.startswith(("bert", "albert")):  # masked language modelling: 15% of the tokens masked, the loss on those
         tok = torch.randint(2, 512, (size[0], size[1]), generator=g)
         masked = torch.rand(size, generator=g) < 0.15
         masked[:, 0] = True  # at least one per sequence
@@ -801,7 +819,7 @@ def arch_loss(model, client: str, step: int, rank: int, micro: int, size: tuple[
 
 
 ARCH_BUILD = {"t5": t5, "mixtral": mixtral, "vit": vit, "gpt2": gpt2, "gpt2_wide": gpt2_wide, "bert": bert,
-              "neox": neox, "flux": flux, "qwen_vl": qwen_vl, "clip": clip}
+              "neox": neox, "flux": flux, "qwen_vl": qwen_vl, "clip": clip, "albert": albert}
 ARCH_SHARD = {"moe_experts": shard_moe_experts, "moe_experts_blocks_only": shard_moe_experts_blocks_only,
               "moe_routers": lambda model, mesh: shard_moe_experts(model, mesh, inner="gate"),
               "flux_double_only": shard_flux_double_only, "qwen_vl_expert": shard_qwen_vl,

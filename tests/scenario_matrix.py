@@ -449,6 +449,14 @@ ARCH_ROWS += [
 ]
 # (wt-clip) transformers' CLIPModel trained contrastively (tests/clients.py clip: its vision tower runs first)
 ARCH_ROWS += [_r("clip_tuned", "clip", None, "expert plan: text embeddings, each layer of both towers, root")]
+# (wt-albert) ALBERT (tests/clients.py albert: one shared layer group, 6 calls a pass): resharded after each call, it
+# is all-gathered at each of them; kept gathered (ZeRO-2 for it), once a pass in forward and 5 times in backward
+ARCH_ROWS += [
+    _r("albert_tuned", "albert", None, "its layer group a unit, the root (the tied embedding and decoder in it)"),
+    _r("albert_shared_regathered", "albert", "reshard.zero2_affordable",
+       "the layer group resharded after each of its 6 calls a pass, an 8 GiB budget", watch=AMPLE,
+       min_severity="info"),
+]
 ROWS += ARCH_ROWS
 
 # (wt-gpt2) GPT-2 (Conv1D layers, learned position embeddings, lm_head tied to wte) and BERT for masked language
