@@ -1379,20 +1379,31 @@ def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
     return allgather_ms(ctx, u, "backward")
 
 
-def calls_per_pass(ctx: Context, name: str) -> int:
-    """The times the model's forward calls unit ``name`` in one pass (ALBERT's one shared layer group: once per
-    layer), the median over every rank's usable steps; 1 where not recorded, or where code outside the model's
-    forward makes the calls beyond one (a loss running the output head per chunk: analyze.steps)."""
+@_once
+def _calls_per_pass(ctx: Context) -> dict[str, int]:
+    """``calls_per_pass`` of every unit called more than once a pass (one pass over the records)."""
     from ..analyze.steps import called_outside_forward, forward_passes, unit_modules, usable_steps
 
     ranks = getattr(ctx.run, "ranks", None) or {}
     outside = called_outside_forward(ranks)
-    if outside is None or name in outside:
-        return 1
+    if outside is None:
+        return {}
     modules = unit_modules(ctx.config.units if ctx.config is not None else [])
-    per = [u.fwd_calls / (modules.get(name, 1) * forward_passes(s, modules)) for rd in ranks.values()
-           for s in usable_steps(rd.steps) for u in s.units if u.name == name and u.fwd_calls]
-    return max(1, round(statistics.median(per))) if per else 1
+    per: dict[str, list[float]] = {}
+    for rd in ranks.values():
+        for s in usable_steps(rd.steps):
+            passes = forward_passes(s, modules)
+            for u in s.units:
+                if u.fwd_calls and u.name not in outside:
+                    per.setdefault(u.name, []).append(u.fwd_calls / (modules.get(u.name, 1) * passes))
+    return {n: k for n, v in per.items() if (k := round(statistics.median(v))) > 1}
+
+
+def calls_per_pass(ctx: Context, name: str) -> int:
+    """The times the model's forward calls unit ``name`` in one pass (ALBERT's one shared layer group: once per
+    layer), the median over every rank's usable steps; 1 where not recorded, or where code outside the model's
+    forward makes the calls beyond one (a loss running the output head per chunk: analyze.steps)."""
+    return _calls_per_pass(ctx).get(name, 1)
 
 
 def kept_gathered_saves_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
