@@ -210,8 +210,9 @@ def test_olmo_hsdp_fixes_work_as_printed(hsdp_run):
         assert before["mesh"] == after["mesh"] == {"dp_replicate": 2, "dp_shard": 2}, (before["mesh"], after["mesh"])
         f = before["findings"]
         assert "prefetch.sync_unshard" in f, f.keys()  # (and ZeRO-2's and the fused step's, where their gain holds)
-        for code in f:
-            assert f[code]["where"] == "olmo_built", (code, f[code]["where"])
+        for code in f:  # (prefetch.exposed_allgather's, OLMo-core's prefetch setting, where 4 ranks on 2 cores wait
+            # long enough for it: a CI run's)
+            assert f[code]["where"] == ("olmo_config" if code in STAY_ON_GLOO else "olmo_built"), (code, f[code])
             assert max(map(len, f[code]["code"].splitlines())) <= 80, f[code]["code"]
         assert not set(f) & set(after["findings"]) - STAY_ON_GLOO, after["findings"].keys()
         _no_new_warning(before, after)

@@ -206,7 +206,7 @@ def test_frozen_tower_run_first_gathered_by_the_other_tower_gone_with_losses_unc
     losses bit-identical."""
     o = _ran(matrix["clip_lit_frozen_gather"])
     assert o.after is not None, o.after_error or o.rerun_note
-    (f,) = [f for f in o.report.findings if f.rule == "prefetch.frozen_gathered"]
+    (f,) = [f for f in o.report.findings if f.code == "prefetch.frozen_gathered"]
     assert f.evidence["gathered_for_nothing"] == ["vision_model.encoder.layers.2 (130.75 KiB), prefetched by "
                                                   "text_model.embeddings's default (the previous unit in forward "
                                                   "order)"], f.evidence
