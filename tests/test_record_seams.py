@@ -527,7 +527,7 @@ def test_a_chunked_loss_is_the_loss_phase_through_every_chunk(tmp_path, gloo_one
     assert not [r for r in loss if r[1] == "in_forward" and r[0] != "output"], loss
 
 
-def test_a_unit_the_model_calls_several_times_is_no_chunked_head_and_kept_gathered_saves_its_calls(tmp_path, gloo_one_rank):
+def test_a_unit_called_several_times_a_pass_is_no_chunked_head_and_kept_gathered_saves_calls(tmp_path, gloo_one_rank):
     """ALBERT applies one shared layer group once per layer: one unit called 6 times inside the model's forward. Its
     calls beyond one a pass read as an output head that a loss outside the model runs per chunk (torchtitan's
     ChunkedLossWrapper): the run's facts said a loss in 6 chunks (a new-user trial). The memory timeline shows where

@@ -175,6 +175,11 @@ def test_fine_tuning_figures_match_the_model(matrix, row):
         assert t.flops_source == "counted" and t.flops_per_step == t.hardware_flops_per_step  # no recompute
 
 
+def _backward_gathers(rep) -> set:
+    """(rank, unit) of every backward all-gather in a report's trace."""
+    return {(r.rank, r.unit) for r in rep.overlap.per_unit if r.collective == "all_gather" and r.phase == "backward"}
+
+
 @pytest.mark.rows("qwen2_tail_frozen_gather")
 def test_frozen_unit_gather_gone_with_losses_unchanged(matrix):
     """prefetch.frozen_gathered's fix on the real run: the trace's backward all-gather of the frozen layers.1 (which
@@ -183,11 +188,8 @@ def test_frozen_unit_gather_gone_with_losses_unchanged(matrix):
     o = _ran(matrix["qwen2_tail_frozen_gather"])
     assert o.after is not None, o.after_error or o.rerun_note
 
-    def backward_gathers(rep) -> set:
-        return {(r.rank, r.unit) for r in rep.overlap.per_unit if r.collective == "all_gather" and r.phase == "backward"}
-
-    assert {(0, "model.layers.1"), (1, "model.layers.1")} <= backward_gathers(o.report)
-    assert backward_gathers(o.after) == {(0, "model.layers.2"), (1, "model.layers.2")}
+    assert {(0, "model.layers.1"), (1, "model.layers.1")} <= _backward_gathers(o.report)
+    assert _backward_gathers(o.after) == {(0, "model.layers.2"), (1, "model.layers.2")}
     assert o.result["losses"] == o.after_result["losses"]
     # where the fix acts, from layers.2's backward to the end of backward (the frozen layer's buffer held there, never
     # used), memory is lower: 1,509,372 -> 1,411,068 B in each of 4 reruns. Not the step's peak: after the fix it moves to the head's backward, whose temporaries
@@ -211,11 +213,8 @@ def test_frozen_tower_run_first_gathered_by_the_other_tower_gone_with_losses_unc
                                                   "text_model.embeddings's default (the previous unit in forward "
                                                   "order)"], f.evidence
 
-    def backward_gathers(rep) -> set:
-        return {(r.rank, r.unit) for r in rep.overlap.per_unit if r.collective == "all_gather" and r.phase == "backward"}
-
-    assert {(0, "vision_model.encoder.layers.2"), (1, "vision_model.encoder.layers.2")} <= backward_gathers(o.report)
-    assert not {u for _, u in backward_gathers(o.after)} & {f"vision_model.encoder.layers.{i}" for i in range(3)}
+    assert {(0, "vision_model.encoder.layers.2"), (1, "vision_model.encoder.layers.2")} <= _backward_gathers(o.report)
+    assert not {u for _, u in _backward_gathers(o.after)} & {f"vision_model.encoder.layers.{i}" for i in range(3)}
     assert o.result["losses"] == o.after_result["losses"]
 
 

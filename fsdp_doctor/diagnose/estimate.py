@@ -1421,8 +1421,8 @@ def kept_gathered_saves_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]
 
 
 def repeated_words(ctx: Context, us: Iterable[Unit]) -> str:
-    """What keeping gathered the units of ``us`` the model calls several times a pass saves (``kept_gathered_saves_ms``),
-    as a sentence; "" for none."""
+    """What keeping gathered the units of ``us`` the model calls several times a pass saves
+    (``kept_gathered_saves_ms``), as a sentence; "" for none."""
     said = [f"{u.name}, called {k} times a forward pass, is all-gathered once a pass instead of {k} times, and "
             f"{k - 1} times in backward instead of {k} (FSDP2 reshards it after each call's backward)"
             for u in us if (k := calls_per_pass(ctx, u.name)) >= 2]
