@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from ..records import GpuTimes, StepRecord, collective_wait_ms, counted_op_by_op, doctor_step
 from ..report_sections import (CheckpointSteps, CompileSteps, DeviceSteps, LevelShift, NoGradSteps, Outlier,
@@ -326,24 +326,34 @@ def called_outside_forward(ranks: dict) -> Optional[set[str]]:
     """The units whose forward started outside the model's, after the root unit's forward ended and before its
     backward began, in any step with a memory timeline (a loss that runs the output head per chunk: torchtitan's
     ChunkedLossWrapper); None where no step's timeline marks the root's forward (no root unit, no timeline)."""
-    found: Optional[set[str]] = None
+    found: set[str] = set()
+    marked = False  # (a timeline marking the root's forward)
     for rd in ranks.values():
         for s in rd.steps:
             tl = s.memory.timeline if s.memory is not None else None
             if tl is None or not tl.rows or "unit" not in tl.columns or "phase" not in tl.columns:
                 continue
             iu, ip = tl.columns.index("unit"), tl.columns.index("phase")
-            after = root = False
+            after = False
             for row in tl.rows:
                 unit, phase = row[iu], row[ip]
                 if unit == "":
-                    root = True
+                    marked = True
                     after = phase == "forward_end" or (after and phase not in ("forward_start", "backward_start"))
                 elif after and unit is not None and phase == "forward_start":
-                    found = (found or set()) | {unit}
-            if root and found is None:
-                found = set()
-    return found
+                    found.add(unit)
+    return found if marked else None
+
+
+def unit_calls(config, ranks: dict) -> Iterator[tuple[str, int, float, float]]:
+    """Per usable step of every rank (``ranks``: a Run's), per unit: (its name, its forward calls, the calls the
+    model's forward passes make of it, one per module per pass, those passes: :func:`forward_passes`)."""
+    modules = unit_modules(config.units if config is not None else [])
+    for rd in ranks.values():
+        for s in usable_steps(rd.steps):
+            passes = forward_passes(s, modules)
+            for u in s.units:
+                yield u.name, u.fwd_calls, modules.get(u.name, 1) * passes, passes
 
 
 def calls_beyond_model(config, ranks: dict) -> dict[str, list[tuple[float, float]]]:
@@ -353,15 +363,10 @@ def calls_beyond_model(config, ranks: dict) -> dict[str, list[tuple[float, float
     torchtitan's ChunkedLossWrapper). A unit the timelines show called inside the model's forward only has none: the
     model calls it several times (ALBERT's one shared layer group, applied once per layer, read as an output head
     run in 6 chunks of the loss: a new-user trial)."""
-    modules = unit_modules(config.units if config is not None else [])
     outside = called_outside_forward(ranks)
     out: dict[str, list[tuple[float, float]]] = {}
-    for rd in ranks.values():
-        for s in usable_steps(rd.steps):
-            passes = forward_passes(s, modules)
-            for u in s.units:
-                beyond = u.fwd_calls - modules.get(u.name, 1) * passes
-                out.setdefault(u.name, []).append((beyond if outside is None or u.name in outside else 0.0, passes))
+    for name, calls, model_calls, passes in unit_calls(config, ranks):
+        out.setdefault(name, []).append((calls - model_calls if outside is None or name in outside else 0.0, passes))
     return out
 
 

@@ -1382,20 +1382,16 @@ def backward_allgather_ms(ctx: Context, u: Unit) -> tuple[Optional[float], str]:
 @_once
 def _calls_per_pass(ctx: Context) -> dict[str, int]:
     """``calls_per_pass`` of every unit called more than once a pass (one pass over the records)."""
-    from ..analyze.steps import called_outside_forward, forward_passes, unit_modules, usable_steps
+    from ..analyze.steps import called_outside_forward, unit_calls
 
     ranks = getattr(ctx.run, "ranks", None) or {}
     outside = called_outside_forward(ranks)
     if outside is None:
         return {}
-    modules = unit_modules(ctx.config.units if ctx.config is not None else [])
     per: dict[str, list[float]] = {}
-    for rd in ranks.values():
-        for s in usable_steps(rd.steps):
-            passes = forward_passes(s, modules)
-            for u in s.units:
-                if u.fwd_calls and u.name not in outside:
-                    per.setdefault(u.name, []).append(u.fwd_calls / (modules.get(u.name, 1) * passes))
+    for name, calls, model_calls, _ in unit_calls(ctx.config, ranks):
+        if calls and name not in outside:
+            per.setdefault(name, []).append(calls / model_calls)
     return {n: k for n, v in per.items() if (k := round(statistics.median(v))) > 1}
 
 
