@@ -122,6 +122,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     own_bytes: list[int] = []
     # of those, modules sharing a parameter with another module (a tied embedding and output head)
     tied_modules: list[str] = []
+    # of those, modules none of whose own parameters requires a gradient (a frozen feature encoder's convolutions):
+    # a plan that makes units of them knows which never train; None: not recorded (runs before it)
+    frozen_modules: list[str] | None = None
     # of those, the ones before the unit's first nested unit in module order (a model's embeddings); None: not
     # recorded (runs before it, whose trailing_modules read [] where no own module came before the last nested unit)
     leading_modules: list[str] | None = None

@@ -518,6 +518,8 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
     lines += ["# the root last: it keeps what no unit holds", _call(root_expr(t), rkw), *_async_unshard_lines(t)]
     if root_leftovers and root is not None:
         lines += _frozen_lead_prefetch(t, root, lead)
+    if root is not None and not t.non_root() and group == 1:
+        lines += _frozen_blocks_prefetch(t, root, conts, leftover_costs if root_leftovers else None, root_leftovers)
     lines[head:head] = [mp_line] if mp_line else _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
 
@@ -587,6 +589,42 @@ def _frozen_lead_prefetch(t: Tree, root, lead: list[str]) -> list[str]:
     return ["# the new leading unit(s) hold no trainable parameter and never run backward: without a list of its own",
             f"# {unit_label(first.name)} would all-gather them in every backward for nothing (FSDP2's default prefetch)",
             backward_prefetch_lists({first.name: []})]
+
+
+def _frozen_blocks_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverCosts],
+                            leftovers: bool) -> list[str]:
+    """A plan that splits a whole-model unit into its blocks where the first of them in module order are frozen
+    (a Wav2Vec2's feature encoder, ``freeze_feature_encoder()``: its ``conv_layers`` before the encoder's layers):
+    FSDP2's default backward prefetch would gather the last frozen block in every backward of the first unit after it
+    that trains, though the frozen blocks never run backward (prefetch.frozen_gathered on the rerun of wrap.too_coarse's
+    plan, a new-user trial). That unit's own list, itself, turns the default off. The run had one unit, so no order of
+    units was recorded: module order stands for forward order, and a wrong guess only loses that unit one prefetch.
+    ``leftovers``: the plan makes units of the root's other modules too (``costs``: what keeps some in the root)."""
+    frozen = set(getattr(root, "frozen_modules", None) or [])
+    if not frozen or not conts:
+        return []
+    kept: set[str] = set()
+    head_of: dict = {}
+    if leftovers:
+        groups, head_of = kept_in_root(t, costs)
+        kept = {m for ms, _ in groups for m in ms}
+    units: list[tuple[str, bool]] = []  # the plan's units in module order: (name, frozen), merged per unit
+    for m in [m for m in root.own_modules or [] if m]:
+        c = next((c for c in conts if in_container(m, c, conts)), None)
+        name = block_of(m) if c is not None else (head_of.get(m) if m in head_of and m not in kept else None)
+        if name is None:  # stays in the root: not in FSDP2's order of units
+            continue
+        if units and units[-1][0] == name:
+            units[-1] = (name, units[-1][1] and m in frozen)
+        elif all(n != name for n, _ in units):
+            units.append((name, m in frozen))
+    first = next((i for i, (_, fz) in enumerate(units) if not fz), None)
+    if not first:  # (None: nothing trains; 0: no frozen unit before the first that trains)
+        return []
+    name = units[first][0]
+    return [*comment(f"the first {first} unit(s) in module order hold no trainable parameter and never run backward: "
+                     f"without a list of its own {unit_label(name)} would all-gather the last of them in every "
+                     "backward for nothing (FSDP2's default prefetch)"), backward_prefetch_lists({name: []})]
 
 
 def comment(text: str, indent: str = "", width: int = 80) -> list[str]:

@@ -439,7 +439,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
     # adds to its unit's all-gather)
     gathered = {id(sp): n for u in units for fp in u.params
                 if (sp := F2.sharded_param(fp)) is not None and (n := F2.param_numel(fp)) is not None}
-    owns, tied, leads, trails, sizes, no_fwd = _own_modules(units, gathered)
+    owns, tied, leads, trails, sizes, no_fwd, frozen = _own_modules(units, gathered)
     out = []
     for u, own, leading, trailing, nf in zip(units, owns, leads, trails, no_fwd):
         pgs = F2.param_groups(u.state)
@@ -499,6 +499,7 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
                 own_modules=own,
                 own_bytes=[sizes[n] for n in own],
                 tied_modules=[n for n in own if n in tied],
+                frozen_modules=[n for n in own if n in frozen],
                 leading_modules=leading,
                 trailing_modules=trailing,
                 no_forward_modules=nf,
@@ -509,16 +510,17 @@ def snapshot_units(units: list[Unit]) -> list[UnitConfig]:
 
 
 def _own_modules(units: list[Unit], gathered: dict[int, int]) -> tuple[
-        list[list[str]], set[str], list[list[str]], list[list[str]], dict[str, int], list[list[str]]]:
+        list[list[str]], set[str], list[list[str]], list[list[str]], dict[str, int], list[list[str]], set[str]]:
     """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out); the
     fqns of modules sharing a parameter with another module (tied weights); per unit, its own modules before its
     first nested unit and those after its last one, in module order; each such module's parameter bytes as FSDP
     gathers them (``gathered``: elements per parameter id; a parameter not there counts its global elements); per
-    unit, the modules of its tree with no forward of their own that hold own modules (``no_forward``). Public module
-    API only."""
+    unit, the modules of its tree with no forward of their own that hold own modules (``no_forward``); the fqns of
+    the modules none of whose own parameters requires a gradient (frozen). Public module API only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
     out, leads, trails, sizes, no_fwd = [], [], [], {}, []
+    frozen: set[str] = set()
     for u in units:
         own: list[str] = []
         empty: list[str] = []  # modules without a forward of their own (a ModuleList), in module order
@@ -543,13 +545,15 @@ def _own_modules(units: list[Unit], gathered: dict[int, int]) -> tuple[
                                      for p in m.parameters(recurse=False))
                     for p in m.parameters(recurse=False):
                         holders.setdefault(id(p), []).append(fqn)
+                    if not any(p.requires_grad for p in m.parameters(recurse=False)):
+                        frozen.add(fqn)
                 stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
         out.append(own)
         no_fwd.append([e for e in empty if any(o.startswith(e + ".") for o in own)])
         leads.append(own[:before_nested] if before_nested is not None else [])
         trails.append(own[after_nested:] if after_nested is not None else [])
     tied = {n for names in holders.values() if len(set(names)) > 1 for n in names}
-    return out, tied, leads, trails, sizes, no_fwd
+    return out, tied, leads, trails, sizes, no_fwd, frozen
 
 
 

@@ -587,6 +587,16 @@ class ParamsInRoot(Rule):
                               f"{groups[0][1]}")
         movable = _movable_share(root, kept)
         if share * movable < ROOT_SHARE_MIN:  # a tied embedding and head are most of it (T5's shared embedding)
+            if not tied and not chunked:  # nothing tied: what stays is what costs more as units than it frees
+                # (a Wav2Vec2's projection, positional conv and head read "those of tied modules stay there": a trial)
+                rest = [m for m in own if m not in kept]
+                # (weighed together where the root has no parameters of its own to be gathered for anyway: one why)
+                why = (f"{E.fmt_list(heads(kept))} gain less as units of their own than they cost (each a unit, and "
+                       f"one unit of them all, {groups[0][1]})" if len({str(w) for _, w in groups}) == 1 else
+                       _kept_words(groups, heads))
+                return self.quiet(f"{fmt_share(share)} of the parameters are in the root: {why}; the rest"
+                                  + (f", {named(rest)}," if rest else "") + f" is {100 * share * movable:.2f}% "
+                                  f"(fires from {100 * ROOT_SHARE_MIN:.0f}%)")
             return self.quiet(f"{fmt_share(share)} of the parameters are in the root, but those of {staying} stay "
                               f"there; the rest is {100 * share * movable:.2f}%"
                               + (f", of which {E.fmt_list(heads(kept))} stay too" if kept else ""))
