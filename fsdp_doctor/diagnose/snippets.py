@@ -1629,8 +1629,8 @@ def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = F
             # accelerate peaked at 18.83 MiB against 16.29 MiB predicted, 16.30 MiB with the cache off)
             lines += no_kv_cache("trainer.model" if lever == "trainer" else ROOT).splitlines()
     if hf and lever == "trainer":
-        lines += ["# Hugging Face's, which trainer.train() applies from its arguments (activation_checkpointing;",
-                  "# gradient_checkpointing before transformers 5)",
+        lines += [*comment("Hugging Face's, which trainer.train() applies from its arguments "
+                           "(activation_checkpointing; gradient_checkpointing before transformers 5)"),
                   "for name in ('activation_checkpointing', 'gradient_checkpointing'):",
                   "    if hasattr(trainer.args, name):",
                   f"        setattr(trainer.args, name, {on})"]
