@@ -211,6 +211,10 @@ class StepTimer:
         # functional checkpointing of a unit's submodules, watched for during the first step (see _watch_children)
         self._child_owner: dict[int, tuple[int, nn.Module, Optional[int]]] = {}  # id -> (unit, module, parent id)
         self._child_seen: dict[int, set[int]] = {}  # unit -> ids of its submodules seen running in backward
+        # the first step's probes also see which submodules run a forward: (ids watched, ids seen running forward),
+        # None where no probe was on (a compiled model; units with a CheckpointWrapper inside are not watched)
+        self.forward_seen: Optional[tuple[frozenset, frozenset]] = None
+        self._child_ran: set[int] = set()
         # the watch's forward pre-hooks, one on each watched submodule, while it watches (None: not watching). Not
         # one global hook: inside a compiled frame the doctor was not given (watch(model), torch.compile(model)
         # trained) Dynamo traced it as a graph break for the whole run (7 in a 3-block model), and
@@ -578,6 +582,7 @@ class StepTimer:
             elif self.active:  # in forward: inside a selective checkpoint's region, the unit checkpoints selectively
                 hit = self._child_owner.get(id(module))
                 if hit is not None:
+                    self._child_ran.add(id(module))
                     self._see_selective(hit[0])
         except Exception as e:  # noqa: BLE001
             self._fail("checkpoint watch", e)
@@ -596,6 +601,8 @@ class StepTimer:
         if self._child_probe is None:
             return
         self._stop_child_probe()
+        self.forward_seen = (frozenset(self._child_owner), frozenset(self._child_ran))
+        self._child_ran = set()
         for idx, ids in sorted(self._child_seen.items()):
             if idx in self._runtime_ckpt:
                 continue

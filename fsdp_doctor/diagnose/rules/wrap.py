@@ -558,9 +558,11 @@ class ParamsInRoot(Rule):
         own = [m for m in root.own_modules if m]
         # an output head the model calls once per chunk of the sequence stays in the root as tied modules do (as in
         # the plans: snippets.tree)
-        if chunked := S.per_chunk(ctx.config, root):
-            root = msgspec.structs.replace(root, tied_modules=[*root.tied_modules, *chunked])
-        staying = _staying_words(root, chunked, ctx)
+        # (and so do modules whose forward never runs: another module reads their parameters)
+        chunked, unread = S.per_chunk(ctx.config, root), S.read_without_forward(root)
+        if chunked or unread:
+            root = msgspec.structs.replace(root, tied_modules=[*root.tied_modules, *chunked, *unread])
+        staying = _staying_words(root, chunked, ctx, unread)
         if own and set(own) <= set(root.tied_modules):  # what the snippet would move: nothing (rerun on a tied model)
             return self.quiet(f"the root's parameters are those of {staying}: they stay in the root")
         tied = [m for m in own if m in root.tied_modules]
@@ -763,12 +765,15 @@ _PER_CHUNK = (" {} stays in the root: the model calls it once per chunk of the s
               "unit was kept gathered after forward).")
 
 
-def _staying_words(root, chunked: list[str], ctx: Context) -> str:
-    """The root's modules that stay in it, said: tied modules, and an output head called once per chunk."""
-    tied = [m for m in root.tied_modules if m not in chunked]
+def _staying_words(root, chunked: list[str], ctx: Context, unread: list[str] = ()) -> str:
+    """The root's modules that stay in it, said: tied modules, an output head called once per chunk, and modules
+    whose forward never runs (``unread``: snippets.read_without_forward)."""
+    tied = [m for m in root.tied_modules if m not in chunked and m not in unread]
     return " and ".join(([f"tied modules ({E.fmt_list(tied)})"] if tied else []) + (
         [f"{E.fmt_list(chunked)}, called once per chunk of the sequence (num_output_chunks="
-         f"{ctx.config.output_chunks})"] if chunked else [])) or "tied modules"
+         f"{ctx.config.output_chunks})"] if chunked else []) + (
+        [f"{E.fmt_list(list(unread))}, whose forward never ran (another module reads their parameters: as a unit "
+         "of their own they would not be gathered there)"] if unread else [])) or "tied modules"
 
 
 def _root_sizes(root) -> tuple[dict[str, int], int]:
