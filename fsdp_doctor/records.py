@@ -125,11 +125,12 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # of those, modules none of whose own parameters requires a gradient (a frozen feature encoder's convolutions):
     # a plan that makes units of them knows which never train; None: not recorded (runs before it)
     frozen_modules: list[str] | None = None
-    # of those, modules whose forward the first step never ran (their parameters read by another module, as DeBERTa's
-    # encoder reads rel_embeddings.weight, or unused): a unit of their own would never be gathered where they are
-    # read (torch's "mixed torch.Tensor and DTensor"), so a plan keeps them in the root; None: not watched (a
-    # compiled model, a unit with a CheckpointWrapper inside, runs before it)
-    unrun_modules: list[str] | None = None
+    # of those, modules whose parameters the first step read outside their own forward, or whose forward it never ran
+    # (a GPT's logits read the embedding's weight, F.linear(h, wte.weight); DeBERTa's encoder reads
+    # rel_embeddings.weight; or unused): a unit of their own would not be gathered where they are read (torch's "mixed
+    # torch.Tensor and DTensor"), so a plan keeps them in the root; None: not watched (a compiled model, a unit with a
+    # CheckpointWrapper inside, runs before it)
+    read_outside_modules: list[str] | None = None
     # of those, the ones before the unit's first nested unit in module order (a model's embeddings); None: not
     # recorded (runs before it, whose trailing_modules read [] where no own module came before the last nested unit)
     leading_modules: list[str] | None = None

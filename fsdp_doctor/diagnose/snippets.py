@@ -299,14 +299,14 @@ def per_chunk(config, root) -> list[str]:
     return [m for m in root.own_modules or [] if m == "output" and m not in root.tied_modules]
 
 
-def read_without_forward(root) -> list[str]:
-    """The root's own modules whose forward the run's first step never ran (UnitConfig.unrun_modules; not the tied
-    ones): their parameters are read by another module (DeBERTa's encoder reads ``rel_embeddings.weight``) or unused.
-    A unit of their own, or one holding them, would never be gathered where they are read (a new-user trial's
-    DeBERTa-v2 with them in a unit: "mixed torch.Tensor and DTensor" on both ranks): they stay in the root as tied
-    modules do, in every plan."""
+def read_outside_forward(root) -> list[str]:
+    """The root's own modules whose parameters the run's first step read outside their forward, or whose forward it
+    never ran (UnitConfig.read_outside_modules; not the tied ones): a GPT's logits reading its embedding's weight
+    (``F.linear(h, self.wte.weight)``), DeBERTa's encoder reading ``rel_embeddings.weight``. A unit of their own, or
+    one holding them, would not be gathered where they are read (new-user trials' plans for both, pasted: "mixed
+    torch.Tensor and DTensor" on both ranks): they stay in the root as tied modules do, in every plan."""
     tied = set(root.tied_modules or [])
-    return [m for m in getattr(root, "unrun_modules", None) or [] if m and m not in tied]
+    return [m for m in getattr(root, "read_outside_modules", None) or [] if m and m not in tied]
 
 
 def tree(ctx) -> Tree:
@@ -315,9 +315,9 @@ def tree(ctx) -> Tree:
     cfg = getattr(ctx.run, "config", None)
     rows = list(cfg.units) if cfg is not None and cfg.units else list(ctx.report.units or [])
     # an output head called once per chunk stays in the root as tied modules do, in every plan (per_chunk)
-    # (and so do modules read without their forward: read_without_forward)
+    # (and so do modules read without their forward: read_outside_forward)
     rows = [msgspec.structs.replace(r, tied_modules=[*r.tied_modules, *stay])
-            if r.is_root and (stay := [*per_chunk(cfg, r), *read_without_forward(r)]) else r for r in rows]
+            if r.is_root and (stay := [*per_chunk(cfg, r), *read_outside_forward(r)]) else r for r in rows]
     ov = ctx.report.overlap
     # a plain trace: the units its collectives and its FSDP labels name (a trace without collectives: labels)
     named = ([r.unit for r in ov.per_unit] + [r.name for r in ov.units or []]) if ov is not None else []
@@ -897,8 +897,9 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
         one = len(stay) == 1
         if g.anyway:
             lines += comment(f"{said} {'stays' if one else 'stay'} in the root with "
-                             + (("the tied modules: " if set(skip) - set(getattr(root, "unrun_modules", None) or [])
-                                 else "modules whose forward never runs: ") if skip else "its own parameters: ")
+                             + (("the tied modules: " if set(skip) - set(getattr(root, "read_outside_modules",
+                                                                                   None) or [])
+                                 else "modules read outside their forward: ") if skip else "its own parameters: ")
                              + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else
                                 f"units of their own gain less than they cost: the largest, "
                                 f"{', '.join(module_expr(h) for h in big)}, {why}"))
@@ -909,16 +910,16 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
                   _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]
-    unrun = set(getattr(root, "unrun_modules", None) or [])
+    unrun = set(getattr(root, "read_outside_modules", None) or [])
     if tied := [m for m in skip if m not in unrun]:
         lines += comment(f"{', '.join(module_expr(m) for m in sorted(tied))} share a parameter (tied weights): "
                          "they stay in the root")
     if unread := [m for m in skip if m in unrun]:
-        lines += comment(f"{', '.join(module_expr(m) for m in sorted(unread))}: "
-                         f"{'its' if len(unread) == 1 else 'their'} forward never ran (another module reads "
-                         f"{'its' if len(unread) == 1 else 'their'} parameters, which a unit of "
-                         f"{'its' if len(unread) == 1 else 'their'} own would not gather there): "
-                         f"{'it stays' if len(unread) == 1 else 'they stay'} in the root")
+        one = len(unread) == 1
+        lines += comment(f"{', '.join(module_expr(m) for m in sorted(unread))}: the run read "
+                         f"{'its' if one else 'their'} parameters outside {'its' if one else 'their'} forward (or "
+                         f"never ran it), where a unit of {'its' if one else 'their'} own would not be gathered: "
+                         f"{'it stays' if one else 'they stay'} in the root")
     return lines
 
 

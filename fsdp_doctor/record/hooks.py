@@ -36,6 +36,7 @@ import torch.nn as nn
 from ..fsdp_labels import PREFIX as _FSDP_PREFIX, parse_label
 from ..records import UnitStep
 from . import fsdp2 as F2
+from .param_reads import ParamReads
 from .phase import in_backward
 from .units import (CompiledFrame, Unit, checkpointed_modules, checkpoints_itself, compiled_frames, compiled_module,
                     gathered_bytes, label_to_index, no_forward_of_its_own)
@@ -213,8 +214,11 @@ class StepTimer:
         self._child_seen: dict[int, set[int]] = {}  # unit -> ids of its submodules seen running in backward
         # the first step's probes also see which submodules run a forward: (ids watched, ids seen running forward),
         # None where no probe was on (a compiled model; units with a CheckpointWrapper inside are not watched)
-        self.forward_seen: Optional[tuple[frozenset, frozenset]] = None
+        # (and the ids of those whose parameters the first training forward read outside their forward: ParamReads)
+        self.forward_seen: Optional[tuple[frozenset, frozenset, frozenset]] = None
         self._child_ran: set[int] = set()
+        self._reads = None  # the first training forward's ParamReads, while it is on the mode stack
+        self._reads_outside: frozenset = frozenset()
         # the watch's forward pre-hooks, one on each watched submodule, while it watches (None: not watching). Not
         # one global hook: inside a compiled frame the doctor was not given (watch(model), torch.compile(model)
         # trained) Dynamo traced it as a graph break for the whole run (7 in a 3-block model), and
@@ -566,10 +570,36 @@ class StepTimer:
         # ulp, 1 graph became 5) and, removed after the first step, recompile
         self._child_pending = bool(self._child_owner)
 
-    def _probe_children(self) -> None:
-        """Puts the first step's probes on (see _watch_children)."""
+    def _probe_children(self, model: nn.Module) -> None:
+        """Puts the first step's probes on (see _watch_children), and for this forward a look at the parameters its
+        calls read (ParamReads: off at the model's forward's end, raised or not)."""
         self._child_pending = False
         self._child_probe = [m.register_forward_pre_hook(self._probe_child) for _, m, _ in self._child_owner.values()]
+        held = [m for _, m, _ in self._child_owner.values() if m._parameters]
+        self._child_probe += [m.register_forward_hook(self._probe_child_post, always_call=True) for m in held]
+        self._reads = ParamReads(held)
+        self._child_probe.append(model.register_forward_hook(self._reads_off, always_call=True))
+        self._reads.__enter__()
+
+    def _probe_child_post(self, module, args, output):
+        if self._reads is not None:
+            self._reads.leave(module)
+
+    def _reads_off(self, module, args, output) -> None:
+        """The first training forward ended: its parameter reads taken, the mode off the stack (where it is on top;
+        under a mode the forward left on, it stays, inert)."""
+        reads, self._reads = self._reads, None
+        if reads is None:
+            return
+        try:
+            self._reads_outside = frozenset(reads.outside)
+            n = torch._C._len_torch_function_stack()
+            if n and torch._C._get_function_stack_at(n - 1) is reads:
+                reads.__exit__(None, None, None)
+            else:
+                reads.owners.clear()
+        except Exception as e:  # noqa: BLE001
+            self._fail("parameter reads", e)
 
     def _probe_child(self, module, args):
         if _compiling():  # (folded to a constant by Dynamo: no graph break)
@@ -583,6 +613,8 @@ class StepTimer:
                 hit = self._child_owner.get(id(module))
                 if hit is not None:
                     self._child_ran.add(id(module))
+                    if self._reads is not None:
+                        self._reads.enter(module)
                     self._see_selective(hit[0])
         except Exception as e:  # noqa: BLE001
             self._fail("checkpoint watch", e)
@@ -601,7 +633,7 @@ class StepTimer:
         if self._child_probe is None:
             return
         self._stop_child_probe()
-        self.forward_seen = (frozenset(self._child_owner), frozenset(self._child_ran))
+        self.forward_seen = (frozenset(self._child_owner), frozenset(self._child_ran), self._reads_outside)
         self._child_ran = set()
         for idx, ids in sorted(self._child_seen.items()):
             if idx in self._runtime_ckpt:
@@ -1112,7 +1144,7 @@ class StepTimer:
             self._returned = False
             self.train_forwards += 1
             if self._child_pending:
-                self._safe(self._probe_children, "checkpoint watch")
+                self._safe(lambda: self._probe_children(module), "checkpoint watch")
             # a new step's first forward, maybe
             if (self._opt_end or self.zeroed_check) and self.step_boundary is not None:
                 self._safe(lambda: self.step_boundary(_now()), "step")

@@ -435,8 +435,9 @@ def _names(states: list | None, names: dict[int, str]) -> list[str] | None:
 
 def snapshot_units(units: list[Unit], forward_seen: Optional[tuple] = None) -> list[UnitConfig]:
     """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown"). ``forward_seen``: the
-    first step's (ids of the submodules watched, ids of those seen running a forward), StepTimer.forward_seen; None
-    before the first step ends, or where none was watched."""
+    first step's (ids of the submodules watched, ids of those seen running a forward, ids of those whose parameters
+    its first forward read outside their forward), StepTimer.forward_seen; None before the first step ends, or where
+    none was watched."""
     names = {id(u.state): u.name for u in units}
     # elements FSDP gathers of each parameter (with tensor parallelism its tensor-parallel shard: the bytes a module
     # adds to its unit's all-gather)
@@ -503,7 +504,7 @@ def snapshot_units(units: list[Unit], forward_seen: Optional[tuple] = None) -> l
                 own_bytes=[sizes[n] for n in own],
                 tied_modules=[n for n in own if n in tied],
                 frozen_modules=[n for n in own if n in frozen],
-                unrun_modules=None if unrun is None else [n for n in own if n in unrun],
+                read_outside_modules=None if unrun is None else [n for n in own if n in unrun],
                 leading_modules=leading,
                 trailing_modules=trailing,
                 no_forward_modules=nf,
@@ -522,12 +523,13 @@ def _own_modules(units: list[Unit], gathered: dict[int, int], forward_seen: Opti
     gathers them (``gathered``: elements per parameter id; a parameter not there counts its global elements); per
     unit, the modules of its tree with no forward of their own that hold own modules (``no_forward``); the fqns of
     the modules none of whose own parameters requires a gradient (frozen); those of the modules ``forward_seen``
-    watched and never saw run a forward (None: not watched). Public module API only."""
+    watched that never ran a forward or whose parameters were read outside it (None: not watched). Public module API
+    only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
     out, leads, trails, sizes, no_fwd = [], [], [], {}, []
     frozen: set[str] = set()
-    watched, ran = forward_seen if forward_seen is not None else (frozenset(), frozenset())
+    watched, ran, outside = forward_seen if forward_seen is not None else (frozenset(), frozenset(), frozenset())
     unrun: Optional[set[str]] = set() if forward_seen is not None else None
     for u in units:
         own: list[str] = []
@@ -555,7 +557,7 @@ def _own_modules(units: list[Unit], gathered: dict[int, int], forward_seen: Opti
                         holders.setdefault(id(p), []).append(fqn)
                     if not any(p.requires_grad for p in m.parameters(recurse=False)):
                         frozen.add(fqn)
-                    if unrun is not None and id(m) in watched and id(m) not in ran:
+                    if unrun is not None and id(m) in watched and (id(m) not in ran or id(m) in outside):
                         unrun.add(fqn)
                 stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
         out.append(own)

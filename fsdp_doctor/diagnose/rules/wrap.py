@@ -558,8 +558,8 @@ class ParamsInRoot(Rule):
         own = [m for m in root.own_modules if m]
         # an output head the model calls once per chunk of the sequence stays in the root as tied modules do (as in
         # the plans: snippets.tree)
-        # (and so do modules whose forward never runs: another module reads their parameters)
-        chunked, unread = S.per_chunk(ctx.config, root), S.read_without_forward(root)
+        # (and so do modules whose parameters are read outside their forward)
+        chunked, unread = S.per_chunk(ctx.config, root), S.read_outside_forward(root)
         if chunked or unread:
             root = msgspec.structs.replace(root, tied_modules=[*root.tied_modules, *chunked, *unread])
         staying = _staying_words(root, chunked, ctx, unread)
@@ -767,13 +767,13 @@ _PER_CHUNK = (" {} stays in the root: the model calls it once per chunk of the s
 
 def _staying_words(root, chunked: list[str], ctx: Context, unread: list[str] = ()) -> str:
     """The root's modules that stay in it, said: tied modules, an output head called once per chunk, and modules
-    whose forward never runs (``unread``: snippets.read_without_forward)."""
+    whose parameters are read outside their forward (``unread``: snippets.read_outside_forward)."""
     tied = [m for m in root.tied_modules if m not in chunked and m not in unread]
     return " and ".join(([f"tied modules ({E.fmt_list(tied)})"] if tied else []) + (
         [f"{E.fmt_list(chunked)}, called once per chunk of the sequence (num_output_chunks="
          f"{ctx.config.output_chunks})"] if chunked else []) + (
-        [f"{E.fmt_list(list(unread))}, whose forward never ran (another module reads their parameters: as a unit "
-         "of their own they would not be gathered there)"] if unread else [])) or "tied modules"
+        [f"{E.fmt_list(list(unread))}, whose parameters the run read outside their forward (as a unit of their "
+         "own they would not be gathered there)"] if unread else [])) or "tied modules"
 
 
 def _root_sizes(root) -> tuple[dict[str, int], int]:
