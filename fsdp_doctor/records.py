@@ -129,7 +129,8 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # (a GPT's logits read the embedding's weight, F.linear(h, wte.weight); DeBERTa's encoder reads
     # rel_embeddings.weight; or unused): a unit of their own would not be gathered where they are read (torch's "mixed
     # torch.Tensor and DTensor"), so a plan keeps them in the root; None: not watched (a compiled model, a unit with a
-    # CheckpointWrapper inside, runs before it)
+    # CheckpointWrapper inside, runs before it); in a process that called torch.compile, the reads are not looked at
+    # (record/param_reads.compile_used): only modules whose forward never ran
     read_outside_modules: list[str] | None = None
     # of those, the ones before the unit's first nested unit in module order (a model's embeddings); None: not
     # recorded (runs before it, whose trailing_modules read [] where no own module came before the last nested unit)

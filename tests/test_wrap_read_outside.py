@@ -169,3 +169,65 @@ def test_an_embedding_whose_weight_the_logits_read_stays_in_the_root(tmp_path):
     old = _plan(tmp_path, base, unrun=False, name="blocks")  # (the plan the rule printed before)
     assert "fully_shard(model.wte, mesh=mesh)" in old, old
     _assert_crashes(tmp_path, _GPT, old)
+
+
+_COMPILED = textwrap.dedent(
+    """
+    import os, sys
+    import torch, torch.nn as nn, torch.distributed as dist
+    import torch._dynamo.utils as du
+    from torch.distributed.fsdp import fully_shard
+    import fsdp_doctor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+
+    @torch.compile(backend="eager")  # a compiled function the eager forward calls (a compiled flex_attention's place)
+    def mix(a, b):
+        return torch.tanh(a) * torch.sigmoid(b) + a
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, x):
+            return x + mix(self.a(x), self.b(x))
+
+    model = nn.Sequential(Block(), Block())
+    for b in model:
+        fully_shard(b)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters())
+    doc = fsdp_doctor.watch(model, opt, out_dir=sys.argv[1], profile=False) if sys.argv[1] != "-" else None
+    if doc:
+        doc.__enter__()
+    for _ in range(4):
+        model(torch.randn(4, 32)).sum().backward()
+        opt.step(), opt.zero_grad()
+        if doc:
+            doc.step()
+    if doc:
+        doc.__exit__(None, None, None)
+    print("graphs", du.counters["stats"]["unique_graphs"])
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_no_look_at_reads_where_torch_compile_is_used(tmp_path):
+    """The reads' TorchFunctionMode enters the guards of a frame Dynamo compiles under it: a compiled function the
+    forward calls compiled 3 graphs with the doctor on the first step, 1 without (it recompiled once the mode was
+    off). In a process that called torch.compile the reads are not looked at: the same graphs either way."""
+    path = tmp_path / "compiled.py"
+    path.write_text(_COMPILED)
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
+    graphs = []
+    for i, out in enumerate(("-", str(tmp_path / "run"))):
+        r = subprocess.run([sys.executable, str(path), out, str(29650 + i + os.getpid() % 200)], env=env, timeout=300,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        graphs.append(r.stdout.split("graphs")[-1].strip())
+    assert graphs[0] == graphs[1] == "1", graphs

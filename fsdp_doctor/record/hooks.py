@@ -36,7 +36,7 @@ import torch.nn as nn
 from ..fsdp_labels import PREFIX as _FSDP_PREFIX, parse_label
 from ..records import UnitStep
 from . import fsdp2 as F2
-from .param_reads import ParamReads
+from .param_reads import ParamReads, compile_used
 from .phase import in_backward
 from .units import (CompiledFrame, Unit, checkpointed_modules, checkpoints_itself, compiled_frames, compiled_module,
                     gathered_bytes, label_to_index, no_forward_of_its_own)
@@ -575,6 +575,8 @@ class StepTimer:
         calls read (ParamReads: off at the model's forward's end, raised or not)."""
         self._child_pending = False
         self._child_probe = [m.register_forward_pre_hook(self._probe_child) for _, m, _ in self._child_owner.values()]
+        if compile_used():  # (the reads not looked at: compile_used says why)
+            return
         held = [m for _, m, _ in self._child_owner.values() if m._parameters]
         self._child_probe += [m.register_forward_hook(self._probe_child_post, always_call=True) for m in held]
         self._reads = ParamReads(held)

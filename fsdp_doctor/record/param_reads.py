@@ -4,7 +4,8 @@ A plan that makes such a module a unit of its own never gathers it where its par
 "mixed torch.Tensor and DTensor" at the first forward (a GPT whose logits read the embedding's weight,
 ``F.linear(h, self.wte.weight)``, as MPT's do; DeBERTa-v2's encoder reading ``rel_embeddings.weight``: new-user
 trials). During the first training forward alone (the model's forward pre-hook to its post-hook, where the step's
-checkpointing probes are on: never in a compiled frame) a ``TorchFunctionMode`` looks at each call's tensor arguments
+checkpointing probes are on: never in a compiled frame, nor in a process that called torch.compile: see
+``compile_used``) a ``TorchFunctionMode`` looks at each call's tensor arguments
 for a watched module's parameter while that module's forward is not running. Metadata reads (``.dtype``,
 ``.shape``, ``size()``) and FSDP2's own calls (its hooks unshard and reshard every unit's parameters) are not reads.
 It only looks; each call runs unchanged. One collaborator of :class:`fsdp_doctor.record.hooks.StepTimer`."""
@@ -14,6 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Iterable
 
+import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
@@ -54,7 +56,8 @@ class ParamReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.owners and getattr(func, "__name__", "") not in _METADATA:
+        # (inside a frame Dynamo compiles, a function the forward calls: folded to True, nothing traced but the call)
+        if self.owners and not torch.compiler.is_compiling() and getattr(func, "__name__", "") not in _METADATA:
             try:
                 self._look(args)
                 self._look(kwargs.values())
@@ -71,6 +74,18 @@ class ParamReads(TorchFunctionMode):
             if mods and not any(self.depth.get(i) for i in mods) and not mods <= self.outside:
                 if not _from_fsdp():
                     self.outside.update(mods)
+
+
+def compile_used() -> bool:
+    """Whether this process has called torch.compile (a backend in Dynamo's cache; not imported: never). A mode on
+    the stack enters the guards of every frame Dynamo compiles under it: a compiled function the forward calls (a
+    compiled flex_attention) would compile again once the mode is off (1 graph became 3 in a test). Where compile
+    was used, the reads are not looked at."""
+    ef = sys.modules.get("torch._dynamo.eval_frame")
+    if ef is None:
+        return False
+    backends = getattr(ef, "cached_backends", None)
+    return backends is None or any(b is not None for b in backends.values())
 
 
 def _from_fsdp() -> bool:
