@@ -185,6 +185,7 @@ def hook_state(model, opt) -> dict:
     out["dynamo logger"] = [lg.level, [id(h) for h in lg.handlers]]
     out["saved tensor hooks"] = F2.saved_hooks_top() is not None
     out["dispatch modes"] = torch._C._len_torch_dispatch_stack()
+    out["function modes"] = torch._C._len_torch_function_stack()  # (the first forward's parameter reads' mode)
     out["profiler"] = torch.autograd.profiler._is_profiler_enabled
     return out
 

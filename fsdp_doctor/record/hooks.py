@@ -212,9 +212,9 @@ class StepTimer:
         # functional checkpointing of a unit's submodules, watched for during the first step (see _watch_children)
         self._child_owner: dict[int, tuple[int, nn.Module, Optional[int]]] = {}  # id -> (unit, module, parent id)
         self._child_seen: dict[int, set[int]] = {}  # unit -> ids of its submodules seen running in backward
-        # the first step's probes also see which submodules run a forward: (ids watched, ids seen running forward),
-        # None where no probe was on (a compiled model; units with a CheckpointWrapper inside are not watched)
-        # (and the ids of those whose parameters the first training forward read outside their forward: ParamReads)
+        # the first step's probes also see which submodules run a forward: (ids watched, ids seen running a forward,
+        # ids of those whose parameters the first training forward read outside their forward: ParamReads), None
+        # where no probe was on (a compiled model; units with a CheckpointWrapper inside are not watched)
         self.forward_seen: Optional[tuple[frozenset, frozenset, frozenset]] = None
         self._child_ran: set[int] = set()
         self._reads = None  # the first training forward's ParamReads, while it is on the mode stack
@@ -626,6 +626,8 @@ class StepTimer:
             for h in self._child_probe:
                 h.remove()
             self._child_probe = None
+        if self._reads is not None:  # (removed inside the first forward: the doctor stepping aside there)
+            self._reads_off(None, (), None)
 
     def end_child_watch(self) -> None:
         """Ends the first step's watch: hooks the outermost submodules seen re-running in backward (of units
