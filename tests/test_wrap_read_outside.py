@@ -53,15 +53,15 @@ _LAYERS = ("from torch.distributed.fsdp import fully_shard\n"
            "for layer in model.deberta.encoder.layer:\n    fully_shard(layer)\nfully_shard(model)\n")
 
 
-def _plan(tmp_path, report, unrun=True, name="layers") -> str:
+def _plan(tmp_path, report, field=True, name="layers") -> str:
     """wrap.params_in_root's plan for the recorded run, its collectives weighed as nearly free (a GPU's): every
-    module of the root's that frees any memory a unit; ``unrun`` False: the snapshot as recorded before the field."""
+    module of the root's that frees any memory a unit; ``field`` False: the snapshot as recorded before the field."""
     import fsdp_doctor
     from fsdp_doctor.diagnose import snippets as S
     from fsdp_doctor.diagnose.base import Context
 
     run = fsdp_doctor.load_run(tmp_path / name)
-    if not unrun:
+    if not field:
         run.config.units = [msgspec.structs.replace(u, read_outside_modules=None) for u in run.config.units]
     tree = S.tree(Context(run=run, report=report))
     return S.complete(S.shard_plan(tree, root_leftovers=True, leftover_costs=S.LeftoverCosts(
@@ -86,7 +86,7 @@ def test_a_module_read_without_its_forward_stays_in_the_root(tmp_path):
 
     # the snapshot without the field (as recorded before it): the plan grouped rel_embeddings with the encoder's
     # LayerNorm, and its run stopped at the first forward
-    old = _plan(tmp_path, base, unrun=False)
+    old = _plan(tmp_path, base, field=False)
     assert any("rel_embeddings" in ln for ln in old.splitlines() if ln.startswith("fully_shard(")), old
     _assert_crashes(tmp_path, _SCRIPT, old)
 
@@ -166,7 +166,7 @@ def test_an_embedding_whose_weight_the_logits_read_stays_in_the_root(tmp_path):
     assert not any("wte" in ln for ln in code.splitlines() if ln.startswith("fully_shard(")), code
     (tmp_path / "plan.py").write_text(code)
     record_two_ranks(tmp_path, _GPT, "plan", str(tmp_path / "plan.py"))
-    old = _plan(tmp_path, base, unrun=False, name="blocks")  # (the plan the rule printed before)
+    old = _plan(tmp_path, base, field=False, name="blocks")  # (the plan the rule printed before)
     assert "fully_shard(model.wte, mesh=mesh)" in old, old
     _assert_crashes(tmp_path, _GPT, old)
 

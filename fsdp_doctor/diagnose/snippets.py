@@ -888,6 +888,9 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     g = groups or _leftover_groups(t, root, in_block, costs)  # (``groups``: the caller's, computed already)
     lead, tail, small, head_of, heads, nbytes = g.lead, g.tail, g.small, g.head_of, g.heads, g.nbytes
     stay, skip = [h for hs, _ in small for h in hs], g.skip
+    # what stays in the root alone: tied modules, and modules read outside their forward (read_outside_forward)
+    outside = set(getattr(root, "read_outside_modules", None) or [])
+    tied, unread = [m for m in skip if m not in outside], [m for m in skip if m in outside]
     said = ", ".join(module_expr(h) for h in stay)  # (as the code names them: a Llava's model.model.vision_tower...)
     lines = _lead_note(t, root, [m for m, h in head_of.items() if not heads[h][0] and h not in stay], len(lead),
                        lead_raf) if lead and lead_raf is not None else []
@@ -897,9 +900,8 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
         one = len(stay) == 1
         if g.anyway:
             lines += comment(f"{said} {'stays' if one else 'stay'} in the root with "
-                             + (("the tied modules: " if set(skip) - set(getattr(root, "read_outside_modules",
-                                                                                   None) or [])
-                                 else "modules read outside their forward: ") if skip else "its own parameters: ")
+                             + ("the tied modules: " if tied else "modules read outside their forward: " if unread
+                                else "its own parameters: ")
                              + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else
                                 f"units of their own gain less than they cost: the largest, "
                                 f"{', '.join(module_expr(h) for h in big)}, {why}"))
@@ -910,11 +912,10 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
     if tail:
         lines += ["# last in forward, first in backward: one unit, kept gathered after forward",
                   _call(group_expr(tail), _merge(kw, ", reshard_after_forward=False"))]
-    unrun = set(getattr(root, "read_outside_modules", None) or [])
-    if tied := [m for m in skip if m not in unrun]:
+    if tied:
         lines += comment(f"{', '.join(module_expr(m) for m in sorted(tied))} share a parameter (tied weights): "
                          "they stay in the root")
-    if unread := [m for m in skip if m in unrun]:
+    if unread:
         one = len(unread) == 1
         lines += comment(f"{', '.join(module_expr(m) for m in sorted(unread))}: the run read "
                          f"{'its' if one else 'their'} parameters outside {'its' if one else 'their'} forward (or "

@@ -62,7 +62,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
                     runtime_checkpointed_children: Iterable[int] = (),
                     timed_compiled: Iterable[int] = (), frame_unseen: bool = False,
                     selective: Iterable[int] = (), fsdp_timed: Iterable[int] = (), unseen: Iterable[int] = (),
-                    unseen_from: int = 0, forward_seen: Optional[tuple] = None) -> tuple[RunConfig, str]:
+                    unseen_from: int = 0, read_outside: Optional[frozenset] = None) -> tuple[RunConfig, str]:
     """(the snapshot, the consistency check). ``device``: the run's (fsdp_doctor.record.run_device);
     ``runtime_checkpointed``: units seen re-running their forward in backward (functional
     ``torch.utils.checkpoint(unit, ...)``); ``runtime_checkpointed_children``: units whose submodules re-ran
@@ -73,8 +73,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     frame the doctor was not given (FRAME_UNSEEN), first seen in step ``unseen_from``; ``fsdp_timed``: units inside
     another module's compiled frame that the timer times from FSDP2's own logs (StepTimer.fsdp_timed); ``unseen``: units
     inside a compiled frame the doctor was not given that it times from them (StepTimer.frame_unseen; none: every unit
-    untimed there); ``forward_seen``: the first step's submodules watched and seen running a forward
-    (StepTimer.forward_seen)."""
+    untimed there); ``read_outside``: the ids of the submodules the first step read outside their
+    forward, or never ran (StepTimer.read_outside)."""
     dev = device
     backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
@@ -85,7 +85,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
     if peak is None and dev.type == "cuda":
         peak = device_peak_tflops(dev_name, _compute_dtype(units))
     sched = profile_schedule
-    unit_cfgs = snapshot_units(units, forward_seen)
+    unit_cfgs = snapshot_units(units, read_outside)
     for idx in runtime_checkpointed:
         if unit_cfgs[idx].checkpoint == "none":
             unit_cfgs[idx].checkpoint = "unit"

@@ -212,10 +212,10 @@ class StepTimer:
         # functional checkpointing of a unit's submodules, watched for during the first step (see _watch_children)
         self._child_owner: dict[int, tuple[int, nn.Module, Optional[int]]] = {}  # id -> (unit, module, parent id)
         self._child_seen: dict[int, set[int]] = {}  # unit -> ids of its submodules seen running in backward
-        # the first step's probes also see which submodules run a forward: (ids watched, ids seen running a forward,
-        # ids of those whose parameters the first training forward read outside their forward: ParamReads), None
-        # where no probe was on (a compiled model; units with a CheckpointWrapper inside are not watched)
-        self.forward_seen: Optional[tuple[frozenset, frozenset, frozenset]] = None
+        # the first step's probes also see which submodules run a forward: the ids of those watched whose forward
+        # never ran, or whose parameters the first training forward read outside it (ParamReads); None where no
+        # probe was on (a compiled model; units with a CheckpointWrapper inside are not watched)
+        self.read_outside: Optional[frozenset] = None
         self._child_ran: set[int] = set()
         self._reads = None  # the first training forward's ParamReads, while it is on the mode stack
         self._reads_outside: frozenset = frozenset()
@@ -637,7 +637,7 @@ class StepTimer:
         if self._child_probe is None:
             return
         self._stop_child_probe()
-        self.forward_seen = (frozenset(self._child_owner), frozenset(self._child_ran), self._reads_outside)
+        self.read_outside = frozenset(self._child_owner.keys() - self._child_ran) | self._reads_outside
         self._child_ran = set()
         for idx, ids in sorted(self._child_seen.items()):
             if idx in self._runtime_ckpt:

@@ -789,7 +789,7 @@ class Doctor:
             runtime_checkpointed_children=self._timer.checkpointed_children, consistency=self._consistency,
             timed_compiled=self._timer.timed_compiled, frame_unseen=self._frame_unseen,
             selective=self._timer.selective, fsdp_timed=self._timer.fsdp_timed, unseen=self._timer.frame_unseen,
-            unseen_from=self._unseen_from, forward_seen=self._timer.forward_seen)
+            unseen_from=self._unseen_from, read_outside=self._timer.read_outside)
         cfg.driver, cfg.trainer_args = self.driver, self.trainer_args
         if self.recipe is not None:
             r = self.recipe

@@ -433,17 +433,16 @@ def _names(states: list | None, names: dict[int, str]) -> list[str] | None:
     return None if states is None else [names.get(id(s), "?") for s in states]
 
 
-def snapshot_units(units: list[Unit], forward_seen: Optional[tuple] = None) -> list[UnitConfig]:
-    """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown"). ``forward_seen``: the
-    first step's (ids of the submodules watched, ids of those seen running a forward, ids of those whose parameters
-    its first forward read outside their forward), StepTimer.forward_seen; None before the first step ends, or where
-    none was watched."""
+def snapshot_units(units: list[Unit], read_outside: Optional[frozenset] = None) -> list[UnitConfig]:
+    """One UnitConfig per unit. A figure this torch does not let us read is None ("unknown"). ``read_outside``: the
+    ids of the submodules the first step watched and saw read outside their forward, or never run
+    (StepTimer.read_outside); None before the first step ends, or where none was watched."""
     names = {id(u.state): u.name for u in units}
     # elements FSDP gathers of each parameter (with tensor parallelism its tensor-parallel shard: the bytes a module
     # adds to its unit's all-gather)
     gathered = {id(sp): n for u in units for fp in u.params
                 if (sp := F2.sharded_param(fp)) is not None and (n := F2.param_numel(fp)) is not None}
-    owns, tied, leads, trails, sizes, no_fwd, frozen, unrun = _own_modules(units, gathered, forward_seen)
+    owns, tied, leads, trails, sizes, no_fwd, frozen, outside = _own_modules(units, gathered, read_outside)
     out = []
     for u, own, leading, trailing, nf in zip(units, owns, leads, trails, no_fwd):
         pgs = F2.param_groups(u.state)
@@ -504,7 +503,7 @@ def snapshot_units(units: list[Unit], forward_seen: Optional[tuple] = None) -> l
                 own_bytes=[sizes[n] for n in own],
                 tied_modules=[n for n in own if n in tied],
                 frozen_modules=[n for n in own if n in frozen],
-                read_outside_modules=None if unrun is None else [n for n in own if n in unrun],
+                read_outside_modules=None if outside is None else [n for n in own if n in outside],
                 leading_modules=leading,
                 trailing_modules=trailing,
                 no_forward_modules=nf,
@@ -514,7 +513,7 @@ def snapshot_units(units: list[Unit], forward_seen: Optional[tuple] = None) -> l
     return out
 
 
-def _own_modules(units: list[Unit], gathered: dict[int, int], forward_seen: Optional[tuple] = None) -> tuple[
+def _own_modules(units: list[Unit], gathered: dict[int, int], read_outside: Optional[frozenset] = None) -> tuple[
         list[list[str]], set[str], list[list[str]], list[list[str]], dict[str, int], list[list[str]], set[str],
         Optional[set[str]]]:
     """Per unit, the fqns of the modules that hold its own parameters (nested units' subtrees left out); the
@@ -522,15 +521,13 @@ def _own_modules(units: list[Unit], gathered: dict[int, int], forward_seen: Opti
     first nested unit and those after its last one, in module order; each such module's parameter bytes as FSDP
     gathers them (``gathered``: elements per parameter id; a parameter not there counts its global elements); per
     unit, the modules of its tree with no forward of their own that hold own modules (``no_forward``); the fqns of
-    the modules none of whose own parameters requires a gradient (frozen); those of the modules ``forward_seen``
-    watched that never ran a forward or whose parameters were read outside it (None: not watched). Public module API
-    only."""
+    the modules none of whose own parameters requires a gradient (frozen); those of the modules ``read_outside``
+    names (their ids; None: not watched). Public module API only."""
     unit_mods = {id(m) for u in units for m in u.modules}
     holders: dict[int, list[str]] = {}
     out, leads, trails, sizes, no_fwd = [], [], [], {}, []
     frozen: set[str] = set()
-    watched, ran, outside = forward_seen if forward_seen is not None else (frozenset(), frozenset(), frozenset())
-    unrun: Optional[set[str]] = set() if forward_seen is not None else None
+    outside: Optional[set[str]] = set() if read_outside is not None else None
     for u in units:
         own: list[str] = []
         empty: list[str] = []  # modules without a forward of their own (a ModuleList), in module order
@@ -557,15 +554,15 @@ def _own_modules(units: list[Unit], gathered: dict[int, int], forward_seen: Opti
                         holders.setdefault(id(p), []).append(fqn)
                     if not any(p.requires_grad for p in m.parameters(recurse=False)):
                         frozen.add(fqn)
-                    if unrun is not None and id(m) in watched and (id(m) not in ran or id(m) in outside):
-                        unrun.add(fqn)
+                    if outside is not None and id(m) in read_outside:
+                        outside.add(fqn)
                 stack.extend(reversed([(f"{fqn}.{n}" if fqn else n, c) for n, c in m.named_children()]))
         out.append(own)
         no_fwd.append([e for e in empty if any(o.startswith(e + ".") for o in own)])
         leads.append(own[:before_nested] if before_nested is not None else [])
         trails.append(own[after_nested:] if after_nested is not None else [])
     tied = {n for names in holders.values() if len(set(names)) > 1 for n in names}
-    return out, tied, leads, trails, sizes, no_fwd, frozen, unrun
+    return out, tied, leads, trails, sizes, no_fwd, frozen, outside
 
 
 
