@@ -106,7 +106,7 @@ def test_too_coarse_plan_keeps_the_first_trainable_block_from_gathering_frozen_o
 
     # the plan without its last lines: the frozen block gathered in every backward, as the trial's rerun said
     bare = tmp_path / "bare.py"
-    bare.write_text(code[:code.index("# the first 3 unit(s)")])
+    bare.write_text(code[:code.index("# the 3 unit(s) before")])
     (g,) = [g for g in record_two_ranks(tmp_path, _SCRIPT, "bare", str(bare)).findings
             if g.code == "prefetch.frozen_gathered"]
     assert "feature_extractor.conv_layers.2" in g.title, g.title

@@ -516,21 +516,19 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
         kw = _merge(_unit_kwargs(units[i], mp=mp) if t.units else "",
                     extra_of(units[i]) if t.units else extra_kwargs, drop)
         lines.append(_call(group_expr(mods), kw))
-    root, lead = t.root(), []
+    root = t.root()
     if root_leftovers and root is not None:
         rafs = {getattr(u, "reshard_after_forward", True) for u in t.non_root()} if t.units else set()
         # every unit of the run resharded alike, otherwise than the default a new leading unit takes: say so
         raf = rafs.pop() if len(rafs) == 1 else None
-        lead = _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root, inherit=True, mp=mp), extra_of(root),
-                                                         drop),
-                               raf if raf is not True else None, leftover_costs)
-        lines += lead
+        lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root, inherit=True, mp=mp), extra_of(root),
+                                                           drop),
+                                 raf if raf is not True else None, leftover_costs)
     rkw = _merge(_unit_kwargs(root, mp=mp) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call(root_expr(t), rkw), *_async_unshard_lines(t)]
-    if root_leftovers and root is not None:
-        lines += _frozen_lead_prefetch(t, root, lead)
-    if root is not None and not t.non_root() and group == 1:
-        lines += _frozen_blocks_prefetch(t, root, conts, leftover_costs if root_leftovers else None, root_leftovers)
+    if root is not None and (group == 1 or not conts):
+        lines += _frozen_front_prefetch(t, root, conts, leftover_costs if root_leftovers else None, root_leftovers,
+                                        split_)
     lines[head:head] = [mp_line] if mp_line else _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
 
@@ -583,59 +581,62 @@ def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop,
     return "".join(f", {k}={v}" for k, v in common.items()), {n: o for n, o in opts.items() if o}
 
 
-def _frozen_lead_prefetch(t: Tree, root, lead: list[str]) -> list[str]:
-    """A plan that makes units of a frozen root's modules before the blocks (a LoRA model's embedding): FSDP2's
-    default backward prefetch would gather that new unit in every backward of the first unit after it, which trains,
-    though the frozen unit never runs backward (prefetch.frozen_gathered's case: a new-user trial's plan for a peft
-    Mixtral raised it). That unit's own explicit list, itself, turns the default off (an empty list does not)."""
-    tail_at = next((i for i, x in enumerate(lead) if x.startswith("# last in forward")), len(lead))
-    if getattr(root, "trainable_sharded_bytes", None) != 0 or not any(x.startswith("fully_shard(")
-                                                                       for x in lead[:tail_at]):
+def _frozen_front_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverCosts], leftovers: bool,
+                           split: dict) -> list[str]:
+    """A plan that makes units of frozen modules the model runs before anything that trains: FSDP2's default backward
+    prefetch would gather the last of them in every backward of the first unit after them, which trains, though they
+    never run backward (prefetch.frozen_gathered on the reruns of new-user trials' plans: a Wav2Vec2's feature encoder
+    split out of a whole-model unit, a DETR's frozen backbone stages and a peft Mixtral's embedding taken out of the
+    root). That unit's own list, itself, turns the default off. The root's modules before its first unit
+    (``leading_modules``; all of them in a whole-model unit) stand in module order for forward order, the run's units
+    in the order it gathered them: a wrong guess only loses that unit one prefetch. ``conts``: the containers whose
+    blocks the plan shards (``split``: blocks it splits further: no such guess); ``leftovers``: the plan makes units
+    of the root's other modules too (``costs``: what keeps some in the root)."""
+    own = [m for m in root.own_modules or [] if m]
+    recorded = getattr(root, "frozen_modules", None)
+    frozen = set(recorded) if recorded is not None else \
+        set(own) if getattr(root, "trainable_sharded_bytes", None) == 0 else set()  # (runs before frozen_modules)
+    if not frozen:
         return []
-    fwd = gather_order(t)[0]
-    by = {u.name: u for u in t.units}
-    first = by.get(fwd[0]) if fwd else None
-    if first is None or not _trains(t, first.name, fwd) or getattr(first, "backward_prefetch", None):
-        return []
-    return ["# the new leading unit(s) hold no trainable parameter and never run backward: without a list of its own",
-            f"# {unit_label(first.name)} would all-gather them in every backward for nothing (FSDP2's default prefetch)",
-            backward_prefetch_lists({first.name: []})]
-
-
-def _frozen_blocks_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverCosts],
-                            leftovers: bool) -> list[str]:
-    """A plan that splits a whole-model unit into its blocks where the first of them in module order are frozen
-    (a Wav2Vec2's feature encoder, ``freeze_feature_encoder()``: its ``conv_layers`` before the encoder's layers):
-    FSDP2's default backward prefetch would gather the last frozen block in every backward of the first unit after it
-    that trains, though the frozen blocks never run backward (prefetch.frozen_gathered on the rerun of wrap.too_coarse's
-    plan, a new-user trial). That unit's own list, itself, turns the default off. The run had one unit, so no order of
-    units was recorded: module order stands for forward order, and a wrong guess only loses that unit one prefetch.
-    ``leftovers``: the plan makes units of the root's other modules too (``costs``: what keeps some in the root)."""
-    frozen = set(getattr(root, "frozen_modules", None) or [])
-    if not frozen or not conts:
-        return []
-    kept: set[str] = set()
-    head_of: dict = {}
+    unit_of: dict[str, str] = {}  # the root's modules that the plan moves -> the name of the unit they land in
     if leftovers:
-        groups, head_of = kept_in_root(t, costs)
-        kept = {m for ms, _ in groups for m in ms}
-    units: list[tuple[str, bool]] = []  # the plan's units in module order: (name, frozen), merged per unit
-    for m in [m for m in root.own_modules or [] if m]:
+        g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
+        for mods in [*g.lead.values(), g.tail]:
+            unit_of.update({m: ", ".join(mods) for m, h in g.head_of.items() if h in mods})
+    first_unit = t.non_root()[0] if t.non_root() else None
+    leading = getattr(root, "leading_modules", None)
+    front = own if first_unit is None else \
+        [m for m in own if m in leading] if leading is not None else [m for m in own if m not in root.trailing_modules]
+    units: list[tuple[str, bool]] = []  # the plan's units in forward order as far as they matter: (name, frozen)
+    for m in front:
         c = next((c for c in conts if in_container(m, c, conts)), None)
-        name = block_of(m) if c is not None else (head_of.get(m) if m in head_of and m not in kept else None)
+        if c is not None and block_of(m) in split:
+            return []
+        name = block_of(m) if c is not None else unit_of.get(m)
         if name is None:  # stays in the root: not in FSDP2's order of units
             continue
         if units and units[-1][0] == name:
             units[-1] = (name, units[-1][1] and m in frozen)
         elif all(n != name for n, _ in units):
             units.append((name, m in frozen))
+    if first_unit is not None and units:  # the run's first unit in forward, as the plan shards it
+        fwd = gather_order(t)[0]
+        by = {u.name: u for u in t.units}
+        run_first = by.get(fwd[0]) if fwd else None
+        if run_first is None or getattr(run_first, "backward_prefetch", None):
+            return []  # (no order known, or the user's own list: kept)
+        m = members(run_first.name)[0]
+        c = next((c for c in conts if in_container(m, c, conts)), None)
+        if c is not None and (block_of(m) in split or block_of(m) != m):
+            return []  # (a unit inside a block the plan makes a unit: not the first unit any longer)
+        units.append((run_first.name, not _trains(t, run_first.name, fwd)))
     first = next((i for i, (_, fz) in enumerate(units) if not fz), None)
     if not first:  # (None: nothing trains; 0: no frozen unit before the first that trains)
         return []
     name = units[first][0]
-    return [*comment(f"the first {first} unit(s) in module order hold no trainable parameter and never run backward: "
-                     f"without a list of its own {unit_label(name)} would all-gather the last of them in every "
-                     "backward for nothing (FSDP2's default prefetch)"), backward_prefetch_lists({name: []})]
+    return [*comment(f"the {first} unit(s) before {unit_label(name)} in forward hold no trainable parameter and never "
+                     f"run backward: without a list of its own {unit_label(name)} would all-gather the last of them "
+                     "in every backward for nothing (FSDP2's default prefetch)"), backward_prefetch_lists({name: []})]
 
 
 def comment(text: str, indent: str = "", width: int = 80) -> list[str]:

@@ -453,6 +453,14 @@ class TemporariesDominate(Rule):
         inside, half = at.phase in ("in_forward", "in_backward"), "forward" if at.phase == "in_forward" else "backward"
         if at.phase in ("in_loss", "loss_start"):
             where, place = "loss", "in the loss, after the model returned"
+        elif inside and at.unit in roots and (part := _root_part(pm, roots)) is not None:
+            # before the first unit's forward, or between units: the root's modules there, not the head (a new-user
+            # trial's DETR: its ResNet stem on 128 x 128 images read "the logits ... tokens x vocabulary")
+            mods = _root_modules_at(ctx, part)
+            named = f" ({E.fmt_list(mods[:4] + ([f'{len(mods) - 4} more'] if len(mods) > 4 else []))})" if mods else ""
+            where = "root"
+            place = f"in the root's own forward, {'before its first unit' if part == 'lead' else 'between units'}"
+            place += named
         elif inside and at.unit in roots:
             where, place = "loss", (f"in the root's own {half} (its operators outside every other unit: the output "
                                     "head and, where the model computes it, the loss)")
@@ -470,7 +478,8 @@ class TemporariesDominate(Rule):
         step = f"step {at.step}, " if at.step is not None else ""
         return [self.finding(
             sev, f"Temporaries hold {fmt_share(tmp / peak)} of a peak at {fmt_share(peak / cap)} of capacity, "
-                 f"{'in the loss and output head' if where == 'loss' else 'inside ' + unit_label(at.unit)}",
+                 + ("in the loss and output head" if where == "loss" else "in the root's own forward" if where == "root"
+                    else "inside " + unit_label(at.unit)),
             {"peak_bytes": peak, "capacity_bytes": cap, "peak_capacity_pct": round(100 * peak / cap, 1),
              "temporaries_bytes": tmp, "temporaries_pct": round(100 * tmp / peak, 1), "held_before_bytes": held,
              "where": where, "peak_unit": unit_label(at.unit), "peak_phase": at.phase, "loss_chunks": low.chunks},
@@ -499,6 +508,10 @@ def _what_lowers(ctx: Context, where: str, pm, held: int) -> _Lowering:
     the head per chunk from outside the model's forward, torchtitan's ChunkedLossWrapper, whose chunks double on its
     command line)."""
     cfg = ctx.config
+    if where == "root":  # (16-bit compute named where the run computes in 32 bits)
+        low16 = any(u.param_dtype in ("bfloat16", "float16") or set(u.orig_dtypes or []) <= {"bfloat16", "float16"}
+                    for u in E.units(ctx))
+        return _Lowering(f"{_ROOT_LEVERS}{'.' if low16 else _ROOT_16BIT} {_NO_CODE}")
     if where == "unit":
         impl, can = getattr(cfg, "attn_implementation", None), getattr(cfg, "attn_implementations", None)
         if impl == "eager" and (can is None or "sdpa" in can):
@@ -559,6 +572,43 @@ def _loss_chunks_shrunk(pm, held: int, scale: float) -> int:
     return E.peak_with_rows(pm, added)
 
 
+def _root_part(pm, roots: set) -> str | None:
+    """Where in the root's own forward the peak step's highest mark lies: "lead" before any other unit's forward
+    starts (the root's modules there: a vision model's stem, the embeddings), "between" two units' forwards; None after
+    the last one (the output head and a loss computed in the forward), for a root without other units, or without the
+    peak step's timeline."""
+    tl = pm.timeline or []
+    if not tl or pm.timeline_step != pm.peak_at.step:
+        return None
+    i = max(range(len(tl)), key=lambda j: int(tl[j].get("total") or 0))
+    if tl[i].get("unit") not in roots or tl[i].get("phase") != "in_forward":
+        return None
+    is_root = lambda j, ph: tl[j].get("unit") in roots and tl[j].get("phase") == ph  # noqa: E731
+    start = next((j for j in range(i, -1, -1) if is_root(j, "forward_start")), 0)
+    end = next((j for j in range(i, len(tl)) if is_root(j, "forward_end") or is_root(j, "backward_start")), len(tl))
+    unit_starts = lambda js: any(tl[j].get("phase") == "forward_start" and tl[j].get("unit") not in roots  # noqa: E731
+                                 and tl[j].get("unit") is not None for j in js)
+    before, after = unit_starts(range(start, i)), unit_starts(range(i, end))
+    return None if not after else "between" if before else "lead"
+
+
+def _root_modules_at(ctx: Context, part: str) -> list[str]:
+    """The root's own modules in that part of its forward (``_root_part``), from the snapshot: those before its first
+    unit (``leading_modules``) for "lead", the others but the trailing ones for "between"; [] where not recorded."""
+    tree = S.tree(ctx)
+    root = tree.root()
+    leading = getattr(root, "leading_modules", None) if root is not None else None
+    if leading is None:
+        return []
+    trailing = set(root.trailing_modules or [])
+    mods = [m for m in leading if m] if part == "lead" else \
+        [m for m in root.own_modules or [] if m and m not in leading and m not in trailing]
+    # named as the plans name them: each collapsed to the module a unit would shard, blocks by their container
+    conts, (_, head_of) = tree.containers(), S.kept_in_root(tree)
+    return list(dict.fromkeys(f"each block of {S.module_expr(c)}" if (c := S.container_of(m, conts)) is not None
+                              else S.module_expr(head_of.get(m, m)) for m in mods))
+
+
 def _last_to_end(pm, roots: set) -> str | None:
     """The unit other than the root whose forward ends last on the peak step's timeline (None: no timeline)."""
     ends = [u for u in E.timeline_units(pm, "forward_end") if u not in roots]
@@ -587,6 +637,15 @@ _LOSS_CHUNKED_LEVERS = (
     "the model's forward running the head (in the unit {head!r}) once per chunk and freeing each chunk's before the "
     f"next (torchtitan's ChunkedLossWrapper does). {_UNMOVED} What lowers them: more chunks (each chunk's logits "
     f"shrink with its tokens), or {_SMALLER}.")
+# the root's own operators before its first unit or between units (a vision model's stem)
+_ROOT_LEVERS = (
+    "There they are what the root's own operators make from the micro-batch's inputs before the next unit runs (a "
+    "vision model's stem: each convolution's, normalization's and activation's output at the input's resolution). "
+    "Resharding, offloading and checkpointing leave them as they are, and so would a unit of their own (it gathers "
+    "parameters, not activations). What lowers them: a smaller micro-batch with gradient accumulation (they shrink "
+    "with it)")
+_ROOT_16BIT = (", or 16-bit compute (MixedPrecisionPolicy(param_dtype=torch.bfloat16) on the root casts its "
+               "floating-point inputs too: what its operators compute in 16 bits takes half the bytes).")
 _NO_CODE = ("No code is offered: they are made by your model's operators or your loss, which the doctor does not "
             "rewrite.")
 _EAGER_SWITCH = ("This Hugging Face model runs its attention eagerly (attn_implementation 'eager') and can run "
