@@ -873,6 +873,16 @@ def kept_in_root(t: Tree, costs: Optional[LeftoverCosts] = None) -> tuple[list[t
     return [([m for m, h in g.head_of.items() if h in hs], why) for hs, why in g.small], g.head_of
 
 
+def leftover_units(t: Tree, costs: Optional[LeftoverCosts] = None) -> int:
+    """How many units ``shard_plan(t, root_leftovers=True, leftover_costs=costs)`` makes of the root's own modules
+    outside its blocks (each leading group, and the trailing one), those kept in the root aside."""
+    root, conts = t.root(), t.containers()
+    if root is None:
+        return 0
+    g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
+    return len(g.lead) + bool(g.tail)
+
+
 def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
                     costs: Optional[LeftoverCosts] = None, groups: Optional["_Leftovers"] = None) -> list[str]:
     """fully_shard for the modules holding the root's own parameters, each collapsed to its outermost ancestor
@@ -904,8 +914,9 @@ def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,
                              + ("the tied modules: " if tied else "modules read outside their forward: " if unread
                                 else "its own parameters: ")
                              + (f"{'a unit of its' if one else 'units of their'} own {why}" if len(small) == 1 else
-                                f"units of their own gain less than they cost: the largest, "
-                                f"{', '.join(module_expr(h) for h in big)}, {why}"))
+                                "units of their own gain less than they cost: the largest"
+                                + (f", {module_expr(big[0])}," if len(big) == 1 else
+                                   f" group ({', '.join(module_expr(h) for h in big)})") + f" {why}"))
         else:  # (_leftover_groups: all of them together)
             lines += comment(f"{said} stay in the root, which then has an all-gather and a reduce-scatter "
                              f"a step of its own: each a unit, {len(small)} units would add {3 * len(small)} "

@@ -152,13 +152,17 @@ class TooCoarse(Rule):
         # the units the plan makes of it: its blocks where the snapshot sizes them (4 said of every plan read
         # gloo's step 8-25% short: a timm ViT's 6 blocks, +8% predicted, +20% measured; 6 said, +11%)
         k = len(blocks) if len(blocks) >= 2 and own else COARSE_SPLIT_INTO
+        # the plan also makes units of a whole-model root's other modules (an embedding, a final norm and head): on
+        # gloo each pays its collectives too (a new-user trial's DeepSeek-V3, 4 layers and 2 such units: +27%
+        # predicted from the layers alone, +65-82% measured)
+        more = S.leftover_units(S.tree(ctx), _leftover_costs(ctx)) if big.is_root and len(blocks) >= 2 and own else 0
         # after the split only the first of k units waits in each phase; the rest overlap with compute
         step_after = None
         if step is not None and big.has_timing:
             if E.on_gpu(ctx):
                 step_after = step - ag * (k - 1) / k
             else:  # backward re-gathers the resharded parts, and 3(k-1) more collectives pay their fixed cost
-                step_after = step + E.ag_wait_ms(big, "forward") * (k - 1) / k + 3 * (k - 1) * GLOO_CALL_MS
+                step_after = step + E.ag_wait_ms(big, "forward") * (k - 1) / k + 3 * (k + more - 1) * GLOO_CALL_MS
         gathered_extra = big.unsharded_bytes - big.sharded_bytes
         peak_after = peak - gathered_extra * (1 - 2 / k) if peak is not None else None
         if peak is not None and len(blocks) >= 2 and own:
