@@ -83,6 +83,12 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # layers, GradientCheckpointingLayer, checkpoint themselves while it is set): turned off there, that unit alone
     # stops checkpointing
     checkpoint_flag: bool = False
+    # the modules around the unit (its module's ancestors in the model) that checkpoint their own forward with
+    # transformers' switch on (GradientCheckpointingLayer, ``gradient_checkpointing``): their recompute re-runs the
+    # unit's forward, besides its own checkpointing (``gradient_checkpointing_enable()`` on a Swin switches its stages
+    # and the blocks inside them alike: each block's forward runs three times a step); None: not recorded (runs before
+    # it)
+    checkpointed_inside: list[str] | None = None
     # its checkpointing is selective (a policy saves some operators' outputs, torch's
     # create_selective_checkpoint_contexts: torchtitan's default): its recompute re-runs only the others
     checkpoint_selective: bool = False

@@ -19,8 +19,9 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, compiled_frames, compiled_modules, consistency_problem, managed_param_ids, naming_root,
-                    no_forward_of_its_own, sharded_of, snapshot_units, unmanaged_param_bytes, unmanaged_summary)
+from .units import (Unit, checkpointing_around, compiled_frames, compiled_modules, consistency_problem,
+                    managed_param_ids, naming_root, no_forward_of_its_own, sharded_of, snapshot_units,
+                    unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (its hooks do nothing
@@ -94,6 +95,8 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
             unit_cfgs[idx].checkpoint = "children"
     for idx in selective:
         unit_cfgs[idx].checkpoint_selective = unit_cfgs[idx].checkpoint != "none"
+    for cfg_u, u in zip(unit_cfgs, units):  # (read off the model: the units' ancestors are not units' own modules)
+        cfg_u.checkpointed_inside = checkpointing_around(model, u)
     compiled, timed_compiled, unseen = _compiled_in_place(model, units), set(timed_compiled), set(unseen)
     if frame_unseen:
         compiled, timed_compiled = list(range(len(units))), set()

@@ -717,9 +717,15 @@ class AcFewerUnits(Rule):
         if lever:
             return self.quiet(f"{S.plugin_says(lever)[0]}, the plugin's activation_checkpointing checkpoints every "
                               "layer it shards or none")
-        # units whose checkpointing a fix can turn off alone: a CheckpointWrapper of their own, or transformers' flag
+        # units whose checkpointing a fix can turn off alone: a CheckpointWrapper of their own, or transformers' flag;
+        # not one inside a module that checkpoints itself, whose recompute re-runs it whatever its own does (a Swin's
+        # blocks inside its stages: the fix turned 6 blocks' flags off for "26.26 -> 32.52 MiB" and the peak stayed
+        # at 26.11, a new-user trial; ac.nested says it)
         cands = [u for u in ck if u.checkpoint == "unit" and (u.checkpoint_wrappers or u.checkpoint_flag)
-                 and extra.get(u.name) is not None]
+                 and extra.get(u.name) is not None and not u.checkpointed_inside]
+        if not cands and any(u.checkpointed_inside for u in ck):
+            return self.quiet("the checkpointed units lie inside modules that checkpoint their own forward, whose "
+                              "recompute re-runs them whatever their own checkpointing does (ac.nested)")
         if not cands:
             return self.quiet("the checkpointed units re-run through checkpoint(...) calls in code, which only that "
                               "code can change for some of them")
@@ -782,3 +788,60 @@ def _fewer_code(chosen: list[E.Unit], note: str) -> str:
     return "\n".join(([S.remove_checkpointing(wrappers, [], note=note)]
                       if wrappers else [])
                      + ([S.checkpoint_flags_off(flagged, note)] if flagged else []))
+
+
+@register
+class AcNested(Rule):
+    code = "ac.nested"
+    name = "Checkpointing inside checkpointing"
+    description = ("Units that checkpoint themselves inside a module that checkpoints its own forward: the outer "
+                   "recompute re-runs them and their own re-runs them again, three forwards a step where two do.")
+    needs = ("units",)
+    severities = ("info", "warning")
+
+    def match(self, ctx: Context):
+        """transformers' ``gradient_checkpointing_enable()`` switches every GradientCheckpointingLayer on, and some
+        models nest them: a Swin's stages hold its blocks (each block's attention ran 3 times a step, a new-user
+        trial). Turning the outer modules' switch off leaves each unit checkpointing itself: one forward of each
+        spared, and the units' inputs (their checkpoints' own) held from forward to backward where the outer
+        checkpoint held only its input, beside what the outer modules' other operators save (a patch merging's)."""
+        us = E.units(ctx)
+        if all(getattr(u, "checkpointed_inside", None) is None for u in us):
+            return self.skip("the run does not record the modules around its units (recorded before "
+                             "checkpointed_inside)")
+        nested = [u for u in us if u.checkpoint != "none" and u.checkpointed_inside]
+        if not nested:
+            return self.quiet("no checkpointed unit lies inside a module that checkpoints its own forward")
+        outer = list(dict.fromkeys(m for u in nested for m in u.checkpointed_inside))
+        # a nested unit's recompute, timed, is both re-runs in backward (the outer one's and its own): one is spared
+        # (the Swin's 8 blocks: 30.3 ms timed, 12-15 ms a step spared measured; their recompute 12.9 ms after)
+        spared = sum(u.timing.recompute_ms / 2 if u.timing.recompute_ms > 0 else _recompute_ms(u) for u in nested)
+        step = E.step_ms(ctx)
+        mem = E.memory_units(ctx)
+        inputs = [int(mem[u.name].input_bytes) for u in nested
+                  if u.name in mem and mem[u.name].input_bytes is not UNSET]
+        peak = E.peak_bytes(ctx)
+        held = sum(inputs) if len(inputs) == len(nested) else None
+        peak_after = peak + held if peak is not None and held is not None else None
+        sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
+        names = [u.name for u in nested]
+        return [self.finding(
+            sev, f"{len(nested)} checkpointed unit(s) re-run inside {len(outer)} checkpointed module(s) around them",
+            {"nested_units": names, "outer_modules": outer, "forward_runs_per_step": 3,
+             "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step,
+             "inputs_held_bytes": held},
+            f"{E.fmt_list(outer)} checkpoint their own forward with transformers' switch "
+            f"(gradient_checkpointing) on, and so do the units inside them ({E.fmt_list(names)}): in backward the "
+            "outer recompute re-runs each unit's forward, then the unit's own checkpoint re-runs it again, three "
+            "forwards a step where two do. Turning the outer modules' switch off leaves each unit checkpointing "
+            "itself: "
+            + (f"~{spared:.1f} ms of recompute a step spared" if spared else "one forward of each spared (not timed "
+               "here)")
+            + (f", for the units' inputs ({fmt_bytes(held)}) held from forward to backward where the outer "
+               "checkpoints held only theirs, beside what the outer modules' own operators save (not measured "
+               "apart)" if held is not None else "")
+            + ". It runs anywhere after gradient_checkpointing_enable() (the switch is each module's attribute).",
+            S.checkpoint_flags_off(outer, f"on the {len(outer)} module(s) around your checkpointed units (each unit "
+                                          "keeps its own)"),
+            predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
+            units=names)]

@@ -1,0 +1,101 @@
+"""Checkpointing nested in checkpointing: transformers' ``gradient_checkpointing_enable()`` switches every
+GradientCheckpointingLayer on, and a Swin nests them (its stages hold its blocks). A new-user trial (transformers 5.25,
+a tiny ``SwinForImageClassification`` at 64 x 64, each block a unit, 2 gloo ranks): each block's attention ran three
+times a step (forward, the stage's recompute, the block's own), and ac.fewer_units' fix turned 6 blocks' switches off
+for "26.26 -> 32.52 MiB": pasted, the peak stayed at 26.11 MiB (the stages still re-ran them).
+
+ac.nested names the stages (UnitConfig.checkpointed_inside, read off the model) and turns their switch off; the rerun
+keeps each block checkpointing itself, trains the same, and the rule is quiet. ac.fewer_units leaves nested units
+alone."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import msgspec
+import pytest
+
+import fsdp_doctor
+
+from conftest import gloo_worker, record_two_ranks
+
+pytest.importorskip("transformers")
+
+_SCRIPT = textwrap.dedent(
+    """
+    import json
+    import os
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    """
+) + gloo_worker(
+    """
+    import warnings
+    warnings.filterwarnings("ignore", category=FutureWarning)  # (gradient_checkpointing_enable: renamed in v6)
+    from transformers import SwinConfig, SwinForImageClassification
+    cfg = SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[2, 2, 2, 2], num_heads=[2, 2, 4, 4],
+                     window_size=2, num_labels=10, drop_path_rate=0.0)
+    model = SwinForImageClassification(cfg)
+    model.gradient_checkpointing_enable()
+    for stage in model.swin.encoder.layers:
+        for block in stage.blocks:
+            fully_shard(block)
+    fully_shard(model)
+    if fix:  # after the user's sharding and checkpointing, as printed
+        exec(open(fix).read(), {"model": model})
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1 + rank)
+    losses = []
+    with fsdp_doctor.watch(model, opt, out_dir=out, profile=False, capacity_bytes=64 << 20) as doc:
+        for _ in range(5):
+            x, y = torch.randn(4, 3, 64, 64, generator=g), torch.randint(0, 10, (4,), generator=g)
+            loss = model(pixel_values=x, labels=y).loss
+            loss.backward()
+            opt.step(), opt.zero_grad(), doc.step()
+            losses.append(loss.item())
+    open(f"{out}.losses{rank}.json", "w").write(json.dumps(losses))
+    dist.destroy_process_group()
+    """
+)
+
+_STAGES = [f"swin.encoder.layers.{i}" for i in range(4)]
+
+
+@pytest.mark.slow
+def test_stages_switched_off_leave_each_block_checkpointing_itself_once(tmp_path):
+    base = record_two_ranks(tmp_path, _SCRIPT, "base")
+    blocks = [u for u in base.units if not u.is_root]
+    assert len(blocks) == 8 and all(u.checkpoint == "unit" for u in blocks)
+    assert all(u.checkpointed_inside == [u.name.rsplit(".blocks.", 1)[0]] for u in blocks), \
+        [(u.name, u.checkpointed_inside) for u in blocks]
+    (f,) = [f for f in base.findings if f.code == "ac.nested"]
+    assert f.evidence["outer_modules"] == _STAGES, f.evidence
+    assert f.evidence["nested_units"] == [u.name for u in blocks]
+    assert "layers = ['swin.encoder.layers.0', 'swin.encoder.layers.1'," in f.recommendation.code
+    assert f.predicted.step_ms_after < f.predicted.step_ms_before
+    # ac.fewer_units never offers the nested blocks: their switch off would leave them re-run by their stage (the
+    # peak at 60% of a budget, as the trial's: the rule weighs which units fit)
+    run = fsdp_doctor.load_run(tmp_path / "base")
+    peak = max(m.peak_bytes for m in base.memory.per_rank.values())
+    for rd in run.ranks.values():
+        rd.config = msgspec.structs.replace(rd.config, capacity_bytes=int(peak / 0.6))
+    (fu,) = [s for s in fsdp_doctor.build_report(run).rules if s.code == "ac.fewer_units"]
+    assert fu.status == "quiet" and "(ac.nested)" in fu.reason, (fu.status, fu.reason)
+
+    fix = tmp_path / "fix.py"
+    fix.write_text(f.recommendation.code)
+    fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
+    after = [u for u in fixed.units if not u.is_root]
+    assert all(u.checkpoint == "unit" and u.checkpointed_inside == [] for u in after), \
+        [(u.name, u.checkpoint, u.checkpointed_inside) for u in after]
+    (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
+    assert st.status == "quiet", (st.status, st.reason)
+    # the units' inputs now held from forward to backward: the peak rises by them at least (the stages' patch
+    # merging saves its own besides, not measured apart)
+    peak = max(m.peak_bytes for m in fixed.memory.per_rank.values())
+    assert f.predicted.peak_bytes_after <= peak <= f.predicted.peak_bytes_after * 1.06, (peak, f.predicted)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
+            json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())
