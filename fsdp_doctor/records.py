@@ -83,12 +83,6 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
     # layers, GradientCheckpointingLayer, checkpoint themselves while it is set): turned off there, that unit alone
     # stops checkpointing
     checkpoint_flag: bool = False
-    # the modules around the unit (its module's ancestors in the model) that checkpoint their own forward with
-    # transformers' switch on (GradientCheckpointingLayer, ``gradient_checkpointing``): their recompute re-runs the
-    # unit's forward, besides its own checkpointing (``gradient_checkpointing_enable()`` on a Swin switches its stages
-    # and the blocks inside them alike: each block's forward runs three times a step); None: not recorded (runs before
-    # it)
-    checkpointed_inside: list[str] | None = None
     # its checkpointing is selective (a policy saves some operators' outputs, torch's
     # create_selective_checkpoint_contexts: torchtitan's default): its recompute re-runs only the others
     checkpoint_selective: bool = False
@@ -423,6 +417,11 @@ class RunConfig(Record, tag="config"):
     # a Hugging Face model's _no_split_modules: the class names of its blocks (LlamaDecoderLayer), which
     # accelerate's transformer-based wrap policy shards one by one (what a plugin wrap fix names); None: none
     no_split_modules: list[str] | None = None
+    # transformers' layers that checkpoint their own forward (GradientCheckpointingLayer, ``gradient_checkpointing``
+    # on) holding others switched on too, each with those inside it: {fqn: [fqns]}. ``gradient_checkpointing_enable()``
+    # switches a Swin's stages and the blocks inside them alike: each block's forward runs three times a step (its
+    # forward, its stage's recompute, its own), ac.nested's case; {}: none; None: not recorded (runs before it)
+    checkpoint_nested: dict[str, list[str]] | None = None
     # a Hugging Face config under the model with use_cache on (a decoder that fills its KV cache in a training forward
     # where its own checkpointing is off, which a checkpointing fix then turns off); None: a run recorded before this
     # field

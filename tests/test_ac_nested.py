@@ -4,9 +4,9 @@ a tiny ``SwinForImageClassification`` at 64 x 64, each block a unit, 2 gloo rank
 times a step (forward, the stage's recompute, the block's own), and ac.fewer_units' fix turned 6 blocks' switches off
 for "26.26 -> 32.52 MiB": pasted, the peak stayed at 26.11 MiB (the stages still re-ran them).
 
-ac.nested names the stages (UnitConfig.checkpointed_inside, read off the model) and turns their switch off; the rerun
+ac.nested names the stages (RunConfig.checkpoint_nested, read off the model) and turns their switch off; the rerun
 keeps each block checkpointing itself, trains the same, and the rule is quiet. ac.fewer_units leaves nested units
-alone."""
+alone. The same with each stage a unit, as accelerate's FSDP2 plugin makes them (Swin's _no_split_modules)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ _SCRIPT = textwrap.dedent(
     model = SwinForImageClassification(cfg)
     model.gradient_checkpointing_enable()
     for stage in model.swin.encoder.layers:
+        if os.environ.get("WRAP") == "stages":  # accelerate's plugin's policy: Swin's _no_split_modules
+            fully_shard(stage)
+            continue
         for block in stage.blocks:
             fully_shard(block)
     fully_shard(model)
@@ -68,11 +71,9 @@ def test_stages_switched_off_leave_each_block_checkpointing_itself_once(tmp_path
     base = record_two_ranks(tmp_path, _SCRIPT, "base")
     blocks = [u for u in base.units if not u.is_root]
     assert len(blocks) == 8 and all(u.checkpoint == "unit" for u in blocks)
-    assert all(u.checkpointed_inside == [u.name.rsplit(".blocks.", 1)[0]] for u in blocks), \
-        [(u.name, u.checkpointed_inside) for u in blocks]
     (f,) = [f for f in base.findings if f.code == "ac.nested"]
-    assert f.evidence["outer_modules"] == _STAGES, f.evidence
-    assert f.evidence["nested_units"] == [u.name for u in blocks]
+    assert f.evidence["outer_layers"] == _STAGES, f.evidence
+    assert f.evidence["inner_layers"] == [u.name for u in blocks] and f.units == [u.name for u in blocks]
     assert "layers = ['swin.encoder.layers.0', 'swin.encoder.layers.1'," in f.recommendation.code
     assert f.predicted.step_ms_after < f.predicted.step_ms_before
     # ac.fewer_units never offers the nested blocks: their switch off would leave them re-run by their stage (the
@@ -87,15 +88,38 @@ def test_stages_switched_off_leave_each_block_checkpointing_itself_once(tmp_path
     fix = tmp_path / "fix.py"
     fix.write_text(f.recommendation.code)
     fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
-    after = [u for u in fixed.units if not u.is_root]
-    assert all(u.checkpoint == "unit" and u.checkpointed_inside == [] for u in after), \
-        [(u.name, u.checkpoint, u.checkpointed_inside) for u in after]
+    assert all(u.checkpoint == "unit" for u in fixed.units if not u.is_root)
     (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
     assert st.status == "quiet", (st.status, st.reason)
     # the units' inputs now held from forward to backward: the peak rises by them at least (the stages' patch
     # merging saves its own besides, not measured apart)
     peak = max(m.peak_bytes for m in fixed.memory.per_rank.values())
     assert f.predicted.peak_bytes_after <= peak <= f.predicted.peak_bytes_after * 1.06, (peak, f.predicted)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
+            json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())
+
+
+@pytest.mark.slow
+def test_stage_units_switched_off_leave_their_blocks_checkpointing(tmp_path, monkeypatch):
+    """Each stage a unit (accelerate's policy over _no_split_modules): the nesting is inside the units. The fix turns
+    the stages' switch off; the rerun's stages no longer checkpoint as a whole, their blocks still do (the stages'
+    checkpointing reads "children"), the losses the same, and the rule quiet."""
+    monkeypatch.setenv("WRAP", "stages")
+    base = record_two_ranks(tmp_path, _SCRIPT, "base")
+    assert [u.name for u in base.units if not u.is_root] == _STAGES
+    assert all(u.checkpoint == "unit" and u.checkpoint_flag for u in base.units if not u.is_root)
+    (f,) = [f for f in base.findings if f.code == "ac.nested"]
+    assert f.evidence["outer_layers"] == _STAGES and len(f.evidence["inner_layers"]) == 8, f.evidence
+    assert f.units == _STAGES and f.predicted.peak_bytes_after is None, (f.units, f.predicted)
+    assert f.predicted.step_ms_after < f.predicted.step_ms_before
+    fix = tmp_path / "fix.py"
+    fix.write_text(f.recommendation.code)
+    fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
+    assert all(u.checkpoint == "children" and not u.checkpoint_flag for u in fixed.units if not u.is_root), \
+        [(u.name, u.checkpoint, u.checkpoint_flag) for u in fixed.units]
+    (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
+    assert st.status == "quiet", (st.status, st.reason)
     for rank in (0, 1):
         assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
             json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())

@@ -19,7 +19,7 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, checkpointing_around, compiled_frames, compiled_modules, consistency_problem,
+from .units import (Unit, compiled_frames, compiled_modules, consistency_problem,
                     managed_param_ids, naming_root, no_forward_of_its_own, sharded_of, snapshot_units,
                     unmanaged_param_bytes, unmanaged_summary)
 
@@ -95,8 +95,6 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
             unit_cfgs[idx].checkpoint = "children"
     for idx in selective:
         unit_cfgs[idx].checkpoint_selective = unit_cfgs[idx].checkpoint != "none"
-    for cfg_u, u in zip(unit_cfgs, units):  # (read off the model: the units' ancestors are not units' own modules)
-        cfg_u.checkpointed_inside = checkpointing_around(model, u)
     compiled, timed_compiled, unseen = _compiled_in_place(model, units), set(timed_compiled), set(unseen)
     if frame_unseen:
         compiled, timed_compiled = list(range(len(units))), set()
@@ -158,6 +156,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         **optimizer_params(optimizer, model, units),
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
+        checkpoint_nested=checkpoint_nested(model),
         kv_cache=kv_cache(model), vision_feature_layer=vision_feature_layer(model),
         units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(named, units),
         **_param_counts(model),
@@ -427,6 +426,20 @@ def no_split_modules(model: nn.Module) -> list[str] | None:
     if not isinstance(names, (list, tuple, set)) or not names or not all(isinstance(n, str) for n in names):
         return None
     return sorted(names) if isinstance(names, set) else list(names)
+
+
+def checkpoint_nested(model: nn.Module) -> dict[str, list[str]]:
+    """transformers' layers checkpointing their own forward (a GradientCheckpointingLayer, by class name: no
+    transformers import, with ``gradient_checkpointing`` on) that hold others switched on, each with those inside it,
+    by fqn in module order (RunConfig.checkpoint_nested)."""
+    on = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True
+          and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+    out: dict[str, list[str]] = {}
+    for n in on:
+        inside = [i for i in on if i != n and (i.startswith(n + ".") if n else True)]
+        if inside:
+            out[n] = inside
+    return out
 
 
 def kv_cache(model: nn.Module) -> bool:

@@ -401,24 +401,6 @@ def checkpoints_itself(u: Unit) -> bool:
     return any(getattr(m, "gradient_checkpointing", None) is True for m in u.modules)
 
 
-def checkpointing_around(model: nn.Module, u: Unit) -> list[str]:
-    """The fqns of the modules around the unit (its first module's ancestors in ``model``, outermost first) that
-    checkpoint their own forward with transformers' switch on: a GradientCheckpointingLayer (by class name: no
-    transformers import) with ``gradient_checkpointing`` True (UnitConfig.checkpointed_inside)."""
-    parts = (u.module_names or [""])[0].split(".") if (u.module_names or [""])[0] else []
-    out = []
-    for i in range(len(parts)):
-        fqn = ".".join(parts[:i])
-        try:
-            m = model.get_submodule(fqn)
-        except AttributeError:
-            break
-        if getattr(m, "gradient_checkpointing", None) is True and any(
-                c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__):
-            out.append(fqn)
-    return out
-
-
 def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
     """The modules activation checkpointing re-runs during backward for this unit: the inner module of
     every CheckpointWrapper that is the unit itself or lies inside it (not inside a nested unit)."""

@@ -721,11 +721,12 @@ class AcFewerUnits(Rule):
         # not one inside a module that checkpoints itself, whose recompute re-runs it whatever its own does (a Swin's
         # blocks inside its stages: the fix turned 6 blocks' flags off for "26.26 -> 32.52 MiB" and the peak stayed
         # at 26.11, a new-user trial; ac.nested says it)
+        nesting = getattr(ctx.config, "checkpoint_nested", None) or {}
         cands = [u for u in ck if u.checkpoint == "unit" and (u.checkpoint_wrappers or u.checkpoint_flag)
-                 and extra.get(u.name) is not None and not u.checkpointed_inside]
-        if not cands and any(u.checkpointed_inside for u in ck):
-            return self.quiet("the checkpointed units lie inside modules that checkpoint their own forward, whose "
-                              "recompute re-runs them whatever their own checkpointing does (ac.nested)")
+                 and extra.get(u.name) is not None and not _in_nesting(u, nesting)]
+        if not cands and any(_in_nesting(u, nesting) for u in ck):
+            return self.quiet("the checkpointed units are, hold or lie inside transformers' layers that checkpoint "
+                              "inside others: one's switch off leaves the other's recompute (ac.nested)")
         if not cands:
             return self.quiet("the checkpointed units re-run through checkpoint(...) calls in code, which only that "
                               "code can change for some of them")
@@ -790,11 +791,20 @@ def _fewer_code(chosen: list[E.Unit], note: str) -> str:
                      + ([S.checkpoint_flags_off(flagged, note)] if flagged else []))
 
 
+def _in_nesting(u: E.Unit, nested: dict[str, list[str]]) -> bool:
+    """Whether the unit's module is one of RunConfig.checkpoint_nested's layers, lies inside one or holds one: its
+    own checkpointing turned off leaves the others' recompute (the Swin's blocks inside its stages, or its stages as
+    units holding its blocks)."""
+    m = S.strip_ckpt((u.modules or [u.name])[0])
+    layers = [*nested, *(i for ins in nested.values() for i in ins)]
+    return any(m == x or not m or x.startswith(m + ".") or m.startswith(x + ".") for x in layers)
+
+
 @register
 class AcNested(Rule):
     code = "ac.nested"
     name = "Checkpointing inside checkpointing"
-    description = ("Units that checkpoint themselves inside a module that checkpoints its own forward: the outer "
+    description = ("Layers that checkpoint themselves inside a layer that checkpoints its own forward: the outer "
                    "recompute re-runs them and their own re-runs them again, three forwards a step where two do.")
     needs = ("units",)
     severities = ("info", "warning")
@@ -802,46 +812,53 @@ class AcNested(Rule):
     def match(self, ctx: Context):
         """transformers' ``gradient_checkpointing_enable()`` switches every GradientCheckpointingLayer on, and some
         models nest them: a Swin's stages hold its blocks (each block's attention ran 3 times a step, a new-user
-        trial). Turning the outer modules' switch off leaves each unit checkpointing itself: one forward of each
-        spared, and the units' inputs (their checkpoints' own) held from forward to backward where the outer
-        checkpoint held only its input, beside what the outer modules' other operators save (a patch merging's)."""
-        us = E.units(ctx)
-        if all(getattr(u, "checkpointed_inside", None) is None for u in us):
-            return self.skip("the run does not record the modules around its units (recorded before "
-                             "checkpointed_inside)")
-        nested = [u for u in us if u.checkpoint != "none" and u.checkpointed_inside]
+        trial). Turning the outer layers' switch off leaves each inner one checkpointing itself: one forward of each
+        spared, and their inputs (their checkpoints' own) held from forward to backward where the outer checkpoint
+        held only its input, beside what the outer layers' other operators save (a patch merging's)."""
+        nested = getattr(ctx.config, "checkpoint_nested", None)
+        if nested is None:
+            return self.skip("the run does not record its checkpointing layers (recorded before checkpoint_nested)")
         if not nested:
-            return self.quiet("no checkpointed unit lies inside a module that checkpoints its own forward")
-        outer = list(dict.fromkeys(m for u in nested for m in u.checkpointed_inside))
+            return self.quiet("no layer that checkpoints its own forward holds another switched on")
+        outer = list(nested)
+        inner = list(dict.fromkeys(i for ins in nested.values() for i in ins))
+        by_module = {S.strip_ckpt(u.modules[0]): u for u in E.units(ctx) if u.modules}
+        inner_units = [by_module[i] for i in inner if i in by_module]  # (the Swin's blocks as units)
+        outer_units = [by_module[o] for o in outer if o in by_module]  # (its stages as units, blocks inside)
         # a nested unit's recompute, timed, is both re-runs in backward (the outer one's and its own): one is spared
-        # (the Swin's 8 blocks: 30.3 ms timed, 12-15 ms a step spared measured; their recompute 12.9 ms after)
-        spared = sum(u.timing.recompute_ms / 2 if u.timing.recompute_ms > 0 else _recompute_ms(u) for u in nested)
-        step = E.step_ms(ctx)
+        # (the Swin's 8 blocks: 30.3 ms timed, 12-15 ms a step spared measured; their recompute 12.9 ms after); an
+        # outer unit's inner layers are most of its forward, which they run once more
+        spared = sum(u.timing.recompute_ms / 2 if u.timing.recompute_ms > 0 else _recompute_ms(u)
+                     for u in inner_units)
+        spared += sum(E.compute_fwd_ms(u) for u in outer_units
+                      if not any(S.strip_ckpt(i.modules[0]).startswith(S.strip_ckpt(u.modules[0]) + ".")
+                                 for i in inner_units))
+        step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         mem = E.memory_units(ctx)
-        inputs = [int(mem[u.name].input_bytes) for u in nested
+        inputs = [int(mem[u.name].input_bytes) for u in inner_units
                   if u.name in mem and mem[u.name].input_bytes is not UNSET]
-        peak = E.peak_bytes(ctx)
-        held = sum(inputs) if len(inputs) == len(nested) else None
+        # their inputs held at the peak where every inner layer is a unit whose inputs were counted; else not
+        held = sum(inputs) if inner_units and len(inputs) == len(inner) else None
         peak_after = peak + held if peak is not None and held is not None else None
         sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
-        names = [u.name for u in nested]
+        shown = E.fmt_list(inner[:4] + ([f"{len(inner) - 4} more"] if len(inner) > 4 else []))
         return [self.finding(
-            sev, f"{len(nested)} checkpointed unit(s) re-run inside {len(outer)} checkpointed module(s) around them",
-            {"nested_units": names, "outer_modules": outer, "forward_runs_per_step": 3,
+            sev, f"{len(inner)} checkpointed layer(s) re-run inside {len(outer)} checkpointed layer(s) around them",
+            {"outer_layers": outer, "inner_layers": inner, "forward_runs_per_step": 3,
              "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step,
              "inputs_held_bytes": held},
-            f"{E.fmt_list(outer)} checkpoint their own forward with transformers' switch "
-            f"(gradient_checkpointing) on, and so do the units inside them ({E.fmt_list(names)}): in backward the "
-            "outer recompute re-runs each unit's forward, then the unit's own checkpoint re-runs it again, three "
-            "forwards a step where two do. Turning the outer modules' switch off leaves each unit checkpointing "
-            "itself: "
+            f"{E.fmt_list(outer)} checkpoint their own forward with transformers' switch (gradient_checkpointing) "
+            f"on, and so do {len(inner)} layers inside them ({shown}): in backward the outer recompute re-runs each "
+            "inner layer's forward, then its own checkpoint re-runs it again, three forwards a step where two do. "
+            "Turning the outer layers' switch off leaves each inner one checkpointing itself: "
             + (f"~{spared:.1f} ms of recompute a step spared" if spared else "one forward of each spared (not timed "
                "here)")
-            + (f", for the units' inputs ({fmt_bytes(held)}) held from forward to backward where the outer "
-               "checkpoints held only theirs, beside what the outer modules' own operators save (not measured "
-               "apart)" if held is not None else "")
-            + ". It runs anywhere after gradient_checkpointing_enable() (the switch is each module's attribute).",
-            S.checkpoint_flags_off(outer, f"on the {len(outer)} module(s) around your checkpointed units (each unit "
-                                          "keeps its own)"),
+            + (f", for their inputs ({fmt_bytes(held)}) held from forward to backward where the outer checkpoints "
+               "held only theirs, beside what the outer layers' own operators save (not measured apart)"
+               if held is not None else ", for their inputs and what the outer layers' own operators save, held "
+               "from forward to backward (not measured apart)")
+            + ". It runs anywhere after gradient_checkpointing_enable() (the switch is each layer's attribute).",
+            S.checkpoint_flags_off(outer, f"on the {len(outer)} layer(s) holding other checkpointed layers (each of "
+                                          "those keeps its own)"),
             predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
-            units=names)]
+            units=[u.name for u in [*outer_units, *inner_units]])]
