@@ -418,10 +418,11 @@ class RunConfig(Record, tag="config"):
     # accelerate's transformer-based wrap policy shards one by one (what a plugin wrap fix names); None: none
     no_split_modules: list[str] | None = None
     # transformers' layers that checkpoint their own forward (GradientCheckpointingLayer, ``gradient_checkpointing``
-    # on) holding others switched on too, each with those inside it: {fqn: [fqns]}. ``gradient_checkpointing_enable()``
-    # switches a Swin's stages and the blocks inside them alike: each block's forward runs three times a step (its
-    # forward, its stage's recompute, its own), ac.nested's case; {}: none; None: not recorded (runs before it)
-    checkpoint_nested: dict[str, list[str]] | None = None
+    # on), fqns in module order: whole blocks of the model, checkpointed as such however they sit in the units (a
+    # unit holding them checkpoints at their granularity). ``gradient_checkpointing_enable()`` switches a Swin's
+    # stages and the blocks inside them alike: each block's forward runs three times a step (its forward, its
+    # stage's recompute, its own), ac.nested's case; None: not recorded (runs before it)
+    checkpoint_layers: list[str] | None = None
     # a Hugging Face config under the model with use_cache on (a decoder that fills its KV cache in a training forward
     # where its own checkpointing is off, which a checkpointing fix then turns off); None: a run recorded before this
     # field

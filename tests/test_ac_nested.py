@@ -4,7 +4,7 @@ a tiny ``SwinForImageClassification`` at 64 x 64, each block a unit, 2 gloo rank
 times a step (forward, the stage's recompute, the block's own), and ac.fewer_units' fix turned 6 blocks' switches off
 for "26.26 -> 32.52 MiB": pasted, the peak stayed at 26.11 MiB (the stages still re-ran them).
 
-ac.nested names the stages (RunConfig.checkpoint_nested, read off the model) and turns their switch off; the rerun
+ac.nested names the stages (from RunConfig.checkpoint_layers, read off the model) and turns their switch off; the rerun
 keeps each block checkpointing itself, trains the same, and the rule is quiet. ac.fewer_units leaves nested units
 alone. The same with each stage a unit, as accelerate's FSDP2 plugin makes them (Swin's _no_split_modules)."""
 
@@ -120,6 +120,10 @@ def test_stage_units_switched_off_leave_their_blocks_checkpointing(tmp_path, mon
         [(u.name, u.checkpoint, u.checkpoint_flag) for u in fixed.units]
     (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
     assert st.status == "quiet", (st.status, st.reason)
+    # nor does ac.wrong_granularity ask for the stages checkpointed again (its fix did, the blocks' switches left on:
+    # the nesting back): the blocks are transformers' own layers, whole blocks of the model
+    (wg,) = [s for s in fixed.rules if s.code == "ac.wrong_granularity"]
+    assert wg.status == "quiet" and "transformers' own layers checkpointing themselves (8: " in wg.reason, wg
     for rank in (0, 1):
         assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
             json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())

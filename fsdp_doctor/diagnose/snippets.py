@@ -1028,8 +1028,8 @@ def checkpoint_flags_off(layers: list[str], note: str) -> str:
     """Activation checkpointing off on the named modules (fqns) by their own ``gradient_checkpointing`` flag
     (transformers' layers, UnitConfig.checkpoint_flag), the model's other layers left checkpointing; on the model
     sharded or not (the flag is the module's own attribute)."""
-    return "\n".join([f"# activation checkpointing off {note}", "# (transformers' layers checkpoint themselves "
-                      "while their own flag, gradient_checkpointing, is on)", name_list("layers", layers),
+    return "\n".join([*comment(f"activation checkpointing off {note} (transformers' layers checkpoint themselves "
+                              "while their own flag, gradient_checkpointing, is on)"), name_list("layers", layers),
                       "for name in layers:", "    model.get_submodule(name).gradient_checkpointing = False"])
 
 

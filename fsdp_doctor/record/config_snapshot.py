@@ -156,7 +156,7 @@ def config_snapshot(model: nn.Module, optimizer, units: list[Unit], *, rank: int
         **optimizer_params(optimizer, model, units),
         optimizer_groups=optimizer_groups(optimizer), attn_implementation=attn_implementation(model),
         attn_implementations=attn_implementations(model), no_split_modules=no_split_modules(model),
-        checkpoint_nested=checkpoint_nested(model),
+        checkpoint_layers=checkpoint_layers(model),
         kv_cache=kv_cache(model), vision_feature_layer=vision_feature_layer(model),
         units=unit_cfgs, **parallel_mesh(units), unmanaged_param_bytes=unmanaged_param_bytes(named, units),
         **_param_counts(model),
@@ -428,18 +428,11 @@ def no_split_modules(model: nn.Module) -> list[str] | None:
     return sorted(names) if isinstance(names, set) else list(names)
 
 
-def checkpoint_nested(model: nn.Module) -> dict[str, list[str]]:
-    """transformers' layers checkpointing their own forward (a GradientCheckpointingLayer, by class name: no
-    transformers import, with ``gradient_checkpointing`` on) that hold others switched on, each with those inside it,
-    by fqn in module order (RunConfig.checkpoint_nested)."""
-    on = [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True
-          and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
-    out: dict[str, list[str]] = {}
-    for n in on:
-        inside = [i for i in on if i != n and (i.startswith(n + ".") if n else True)]
-        if inside:
-            out[n] = inside
-    return out
+def checkpoint_layers(model: nn.Module) -> list[str]:
+    """The fqns of transformers' layers checkpointing their own forward: a GradientCheckpointingLayer (by class name:
+    no transformers import) with ``gradient_checkpointing`` on, in module order (RunConfig.checkpoint_layers)."""
+    return [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True
+            and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
 
 
 def kv_cache(model: nn.Module) -> bool:

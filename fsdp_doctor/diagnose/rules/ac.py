@@ -626,6 +626,19 @@ class AcWrongGranularity(Rule):
                               f"{E.fmt_list(blocks[:3])}{', ...' if len(blocks) > 3 else ''}), the blocks' own: "
                               f"their granularity; that the blocks are no units is {_blocks_owner(ctx, ch)}'s")
         ch = [u for u in ch if not inside[u.name]]
+        # transformers' own layers checkpointing themselves inside the unit (no wrapper of the user's): whole blocks
+        # of the model, at their granularity (a Swin's stage units holding its blocks: the fix checkpointed the
+        # stages, where the blocks' switches, left on, nested their recompute in the stages', ac.nested's case)
+        layers = getattr(ctx.config, "checkpoint_layers", None) or []
+        own = {u.name: [m for m in layers if m.startswith(S.strip_ckpt((u.modules or [u.name])[0]) + ".")]
+               for u in ch if not u.checkpoint_wrappers}
+        if ch and all(own.get(u.name) for u in ch):
+            found = [m for u in ch for m in own[u.name]]
+            return self.quiet(f"the checkpointing inside {E.fmt_list([u.name or '(root)' for u in ch])} is "
+                              f"transformers' own layers checkpointing themselves ({len(found)}: "
+                              f"{E.fmt_list(found[:3])}{', ...' if len(found) > 3 else ''}), whole blocks of the "
+                              "model: their granularity")
+        ch = [u for u in ch if not own.get(u.name)]
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         cap = E.capacity_bytes(ctx)
         # a peak far below capacity: whole blocks checkpointed spare memory the run does not need, and ac.unneeded
@@ -721,7 +734,7 @@ class AcFewerUnits(Rule):
         # not one inside a module that checkpoints itself, whose recompute re-runs it whatever its own does (a Swin's
         # blocks inside its stages: the fix turned 6 blocks' flags off for "26.26 -> 32.52 MiB" and the peak stayed
         # at 26.11, a new-user trial; ac.nested says it)
-        nesting = getattr(ctx.config, "checkpoint_nested", None) or {}
+        nesting = _nesting(ctx) or {}
         cands = [u for u in ck if u.checkpoint == "unit" and (u.checkpoint_wrappers or u.checkpoint_flag)
                  and extra.get(u.name) is not None and not _in_nesting(u, nesting)]
         if not cands and any(_in_nesting(u, nesting) for u in ck):
@@ -791,8 +804,17 @@ def _fewer_code(chosen: list[E.Unit], note: str) -> str:
                      + ([S.checkpoint_flags_off(flagged, note)] if flagged else []))
 
 
+def _nesting(ctx: Context) -> Optional[dict[str, list[str]]]:
+    """transformers' switched-on layers that hold others (RunConfig.checkpoint_layers), each with those inside it;
+    None where the run did not record them."""
+    on = getattr(ctx.config, "checkpoint_layers", None)
+    if on is None:
+        return None
+    return {n: ins for n in on if (ins := [i for i in on if i != n and (not n or i.startswith(n + "."))])}
+
+
 def _in_nesting(u: E.Unit, nested: dict[str, list[str]]) -> bool:
-    """Whether the unit's module is one of RunConfig.checkpoint_nested's layers, lies inside one or holds one: its
+    """Whether the unit's module is one of ``_nesting``'s layers, lies inside one or holds one: its
     own checkpointing turned off leaves the others' recompute (the Swin's blocks inside its stages, or its stages as
     units holding its blocks)."""
     m = S.strip_ckpt((u.modules or [u.name])[0])
@@ -815,9 +837,9 @@ class AcNested(Rule):
         trial). Turning the outer layers' switch off leaves each inner one checkpointing itself: one forward of each
         spared, and their inputs (their checkpoints' own) held from forward to backward where the outer checkpoint
         held only its input, beside what the outer layers' other operators save (a patch merging's)."""
-        nested = getattr(ctx.config, "checkpoint_nested", None)
+        nested = _nesting(ctx)
         if nested is None:
-            return self.skip("the run does not record its checkpointing layers (recorded before checkpoint_nested)")
+            return self.skip("the run does not record its checkpointing layers (recorded before checkpoint_layers)")
         if not nested:
             return self.quiet("no layer that checkpoints its own forward holds another switched on")
         outer = list(nested)
@@ -857,7 +879,8 @@ class AcNested(Rule):
                "held only theirs, beside what the outer layers' own operators save (not measured apart)"
                if held is not None else ", for their inputs and what the outer layers' own operators save, held "
                "from forward to backward (not measured apart)")
-            + ". It runs anywhere after gradient_checkpointing_enable() (the switch is each layer's attribute).",
+            + ". The switch is each layer's attribute: set it after checkpointing is switched on "
+            "(gradient_checkpointing_enable(), or a Trainer's gradient_checkpointing=True, at train()'s start).",
             S.checkpoint_flags_off(outer, f"on the {len(outer)} layer(s) holding other checkpointed layers (each of "
                                           "those keeps its own)"),
             predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
