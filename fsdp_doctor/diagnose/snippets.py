@@ -603,9 +603,8 @@ def _frozen_front_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverC
         g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
         for mods in [*g.lead.values(), g.tail]:
             unit_of.update({m: ", ".join(mods) for m, h in g.head_of.items() if h in mods})
-    first_unit = t.non_root()[0] if t.non_root() else None
-    leading = getattr(root, "leading_modules", None)
-    front = own if first_unit is None else \
+    leading, whole = getattr(root, "leading_modules", None), not t.non_root()
+    front = own if whole else \
         [m for m in own if m in leading] if leading is not None else [m for m in own if m not in root.trailing_modules]
     units: list[tuple[str, bool]] = []  # the plan's units in forward order as far as they matter: (name, frozen)
     for m in front:
@@ -619,7 +618,7 @@ def _frozen_front_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverC
             units[-1] = (name, units[-1][1] and m in frozen)
         elif all(n != name for n, _ in units):
             units.append((name, m in frozen))
-    if first_unit is not None and units:  # the run's first unit in forward, as the plan shards it
+    if not whole and units:  # the run's first unit in forward, as the plan shards it
         fwd = gather_order(t)[0]
         by = {u.name: u for u in t.units}
         run_first = by.get(fwd[0]) if fwd else None
