@@ -255,6 +255,26 @@ def test_too_coarse_gloo_step_counts_the_units_the_plan_makes_of_the_roots_other
     assert g.predicted["step_ms_after"] == pytest.approx(before + 20.0 * 3 / 4 + 3 * (4 - 1) * GLOO_CALL_MS)
 
 
+def test_a_tied_module_whose_forward_never_runs_is_said_tied_not_read_outside():
+    """BART's ``shared`` embedding holds the weight its encoder's and decoder's embed_tokens and its lm_head share, and
+    its own forward never runs: the recorder lists it among the modules read outside their forward (or never run), and
+    wrap.too_coarse's plan said it twice, tied and "read outside its forward" (a new-user trial). Tied, it is said tied."""
+    own = ["shared", "encoder.embed_tokens", *[f"encoder.layers.{i}.fc" for i in range(4)], "decoder.embed_tokens",
+           "lm_head"]
+    tied = ["shared", "encoder.embed_tokens", "decoder.embed_tokens", "lm_head"]
+    sizes = [524_288, 524_288, *[300_000] * 4, 524_288, 524_288]
+    ctx, _ = build(units=[unit("", param_count=400_000, n_params=8, sharded_bytes=800_000, unsharded_bytes=1_600_000,
+                               orig_dtypes=["float32"], reshard_after_forward=False, own_modules=own,
+                               own_bytes=sizes, tied_modules=tied, read_outside_modules=["shared"],
+                               timing=dict(fwd_ms=52.8, ag_wait_fwd_ms=20.0, bwd_ms=47.4, ag_wait_bwd_ms=0.1))],
+                   memory=memory(20 * MiB, unsharded_params=1_600_000))
+    (f,) = run_rule("wrap.too_coarse", ctx)
+    code = f.recommendation.code
+    assert "outside its forward" not in code and "outside their forward" not in code, code
+    assert "model.decoder.embed_tokens, model.encoder.embed_tokens, model.lm_head, model.shared share a parameter" \
+        in " ".join(ln.lstrip("# ") for ln in code.splitlines()), code
+
+
 def test_too_coarse_stays_quiet_where_there_is_nothing_to_split_or_gain():
     """Two Linear units, each half of a tiny model: "split into 4 similar units" of a module that has none, its plan
     the run's own sharding again, predicted 156% slower and no memory saved (a new-user trial's warning). Quiet

@@ -309,15 +309,25 @@ def read_outside_forward(root) -> list[str]:
     return [m for m in getattr(root, "read_outside_modules", None) or [] if m and m not in tied]
 
 
+def _staying_in_root(cfg, root):
+    """The root's row with what stays in the root in every plan among its tied modules: an output head called once per
+    chunk (per_chunk) and modules read without their forward (read_outside_forward), which its read_outside_modules
+    then names alone: a tied module whose forward never runs (BART's ``shared``) is said to be tied, not read outside
+    (a new-user trial's plan said it twice)."""
+    chunked = per_chunk(cfg, root)
+    if not chunked and not getattr(root, "read_outside_modules", None):
+        return root
+    unread = read_outside_forward(root)
+    return msgspec.structs.replace(root, tied_modules=[*root.tied_modules, *chunked, *unread],
+                                   read_outside_modules=None if root.read_outside_modules is None else unread)
+
+
 def tree(ctx) -> Tree:
     """The tree of a diagnosis context: the run's unit snapshot, else the report's unit rows, and the trace's
     unit labels."""
     cfg = getattr(ctx.run, "config", None)
     rows = list(cfg.units) if cfg is not None and cfg.units else list(ctx.report.units or [])
-    # an output head called once per chunk stays in the root as tied modules do, in every plan (per_chunk)
-    # (and so do modules read without their forward: read_outside_forward)
-    rows = [msgspec.structs.replace(r, tied_modules=[*r.tied_modules, *stay])
-            if r.is_root and (stay := [*per_chunk(cfg, r), *read_outside_forward(r)]) else r for r in rows]
+    rows = [_staying_in_root(cfg, r) if r.is_root else r for r in rows]
     ov = ctx.report.overlap
     # a plain trace: the units its collectives and its FSDP labels name (a trace without collectives: labels)
     named = ([r.unit for r in ov.per_unit] + [r.name for r in ov.units or []]) if ov is not None else []
