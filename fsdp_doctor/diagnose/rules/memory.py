@@ -509,8 +509,8 @@ def _what_lowers(ctx: Context, where: str, pm, held: int) -> _Lowering:
     command line)."""
     cfg = ctx.config
     if where == "root":  # (16-bit compute named where the run computes in 32 bits)
-        low16 = any(u.param_dtype in ("bfloat16", "float16") or set(u.orig_dtypes or []) <= {"bfloat16", "float16"}
-                    for u in E.units(ctx))
+        half = {"bfloat16", "float16"}
+        low16 = any(u.param_dtype in half or (bool(u.orig_dtypes) and set(u.orig_dtypes) <= half) for u in E.units(ctx))
         return _Lowering(f"{_ROOT_LEVERS}{'.' if low16 else _ROOT_16BIT} {_NO_CODE}")
     if where == "unit":
         impl, can = getattr(cfg, "attn_implementation", None), getattr(cfg, "attn_implementations", None)
