@@ -31,7 +31,7 @@ import scenario_matrix as M  # noqa: E402
 MiB = 1 << 20
 #: rules planted outside the matrix, on a client's own loop that the matrix's user code does not have: where
 ELSEWHERE = {"ac.nested": "a Hugging Face Swin under gradient_checkpointing_enable(), its stages and the blocks inside "
-                         "them both checkpointing, each block a unit (tests/test_ac_nested.py)",
+                         "them both checkpointing, each block or each stage a unit (tests/test_ac_nested.py)",
              "checkpoint.blocking": "torchtitan's and a Hugging Face Trainer's saves, and DCP's `save`/`async_save` "
                                     "found unmarked (tests/test_titan_trainer.py, tests/test_recorder_cases.py)",
              "mesh.uncombined_groups": "4 gloo ranks sharded over a (2, 2) mesh's 1-D shard dim "
