@@ -19,9 +19,8 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, compiled_frames, compiled_modules, consistency_problem,
-                    managed_param_ids, naming_root, no_forward_of_its_own, sharded_of, snapshot_units,
-                    unmanaged_param_bytes, unmanaged_summary)
+from .units import (Unit, compiled_frames, compiled_modules, consistency_problem, managed_param_ids, naming_root,
+                    no_forward_of_its_own, sharded_of, snapshot_units, unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (its hooks do nothing
