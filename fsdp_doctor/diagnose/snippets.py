@@ -527,18 +527,18 @@ def shard_plan(t: Tree, *, blocks: bool = True, root_leftovers: bool = False, gr
                     extra_of(units[i]) if t.units else extra_kwargs, drop)
         lines.append(_call(group_expr(mods), kw))
     root = t.root()
-    if root_leftovers and root is not None:
+    groups = _leftover_groups(t, root, in_block, leftover_costs) if root_leftovers and root is not None else None
+    if groups is not None:
         rafs = {getattr(u, "reshard_after_forward", True) for u in t.non_root()} if t.units else set()
         # every unit of the run resharded alike, otherwise than the default a new leading unit takes: say so
         raf = rafs.pop() if len(rafs) == 1 else None
         lines += _leftover_lines(t, root, in_block, _merge(_unit_kwargs(root, inherit=True, mp=mp), extra_of(root),
                                                            drop),
-                                 raf if raf is not True else None, leftover_costs)
+                                 raf if raf is not True else None, leftover_costs, groups)
     rkw = _merge(_unit_kwargs(root, mp=mp) if root is not None else "", extra_of(root), drop)
     lines += ["# the root last: it keeps what no unit holds", _call(root_expr(t), rkw), *_async_unshard_lines(t)]
     if root is not None and (group == 1 or not conts):
-        lines += _frozen_front_prefetch(t, root, conts, leftover_costs if root_leftovers else None, root_leftovers,
-                                        split_)
+        lines += _frozen_front_prefetch(t, root, conts, groups, split_)
     lines[head:head] = [mp_line] if mp_line else _policy_lines(mp, "\n".join(lines))
     return "\n".join(lines)
 
@@ -591,8 +591,7 @@ def _per_block_kwargs(t: Tree, c: str, is_block, extra_of, drop,
     return "".join(f", {k}={v}" for k, v in common.items()), {n: o for n, o in opts.items() if o}
 
 
-def _frozen_front_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverCosts], leftovers: bool,
-                           split: dict) -> list[str]:
+def _frozen_front_prefetch(t: Tree, root, conts: dict, groups: Optional["_Leftovers"], split: dict) -> list[str]:
     """A plan that makes units of frozen modules the model runs before anything that trains: FSDP2's default backward
     prefetch would gather the last of them in every backward of the first unit after them, which trains, though they
     never run backward (prefetch.frozen_gathered on the reruns of new-user trials' plans: a Wav2Vec2's feature encoder
@@ -600,8 +599,8 @@ def _frozen_front_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverC
     root). That unit's own list, itself, turns the default off. The root's modules before its first unit
     (``leading_modules``; all of them in a whole-model unit) stand in module order for forward order, the run's units
     in the order it gathered them: a wrong guess only loses that unit one prefetch. ``conts``: the containers whose
-    blocks the plan shards (``split``: blocks it splits further: no such guess); ``leftovers``: the plan makes units
-    of the root's other modules too (``costs``: what keeps some in the root)."""
+    blocks the plan shards (``split``: blocks it splits further: no such guess); ``groups``: where the plan makes units
+    of the root's other modules too, how it groups them (``_leftover_groups``)."""
     own = [m for m in root.own_modules or [] if m]
     recorded = getattr(root, "frozen_modules", None)
     frozen = set(recorded) if recorded is not None else \
@@ -609,10 +608,8 @@ def _frozen_front_prefetch(t: Tree, root, conts: dict, costs: Optional[LeftoverC
     if not frozen:
         return []
     unit_of: dict[str, str] = {}  # the root's modules that the plan moves -> the name of the unit they land in
-    if leftovers:
-        g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
-        for mods in [*g.lead.values(), g.tail]:
-            unit_of.update({m: ", ".join(mods) for m, h in g.head_of.items() if h in mods})
+    for mods in [*groups.lead.values(), groups.tail] if groups is not None else []:
+        unit_of.update({m: ", ".join(mods) for m, h in groups.head_of.items() if h in mods})
     leading, whole = getattr(root, "leading_modules", None), not t.non_root()
     front = own if whole else \
         [m for m in own if m in leading] if leading is not None else [m for m in own if m not in root.trailing_modules]
@@ -875,21 +872,26 @@ def kept_in_root(t: Tree, costs: Optional[LeftoverCosts] = None) -> tuple[list[t
     leftover_costs=costs)`` keeps in the root, each (its modules, why: ``leftover_stays``), [] where it makes units
     of them all; and the module each of the root's modules collapses to in the plan (``model.vision_tower.embeddings``
     for its ``patch_embedding``), by which words name them as the plan does."""
-    root, conts = t.root(), t.containers()
-    if root is None:
+    g = leftover_groups(t, costs)
+    if g is None:
         return [], {}
-    g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
     return [([m for m, h in g.head_of.items() if h in hs], why) for hs, why in g.small], g.head_of
 
 
-def leftover_units(t: Tree, costs: Optional[LeftoverCosts] = None) -> int:
-    """How many units ``shard_plan(t, root_leftovers=True, leftover_costs=costs)`` makes of the root's own modules
-    outside its blocks (each leading group, and the trailing one), those kept in the root aside."""
+def leftover_groups(t: Tree, costs: Optional[LeftoverCosts] = None) -> Optional["_Leftovers"]:
+    """The root's own modules as ``shard_plan(t, root_leftovers=True, leftover_costs=costs)`` groups them (each
+    leading unit, the trailing one, those kept in the root and why, the tied ones); None without a root."""
     root, conts = t.root(), t.containers()
     if root is None:
-        return 0
-    g = _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
-    return len(g.lead) + bool(g.tail)
+        return None
+    return _leftover_groups(t, root, lambda m: any(in_container(m, c, conts) for c in conts), costs)
+
+
+def as_planned(mods: Iterable[str], conts: dict, head_of: dict) -> list[str]:
+    """The root's modules named as the plans name them, once each: a block by its container ("each block of
+    model.layers"), any other module by the one it collapses to (``kept_in_root``'s map)."""
+    return list(dict.fromkeys(f"each block of {module_expr(c)}" if (c := container_of(m, conts)) is not None
+                              else module_expr(head_of.get(m, m)) for m in mods))
 
 
 def _leftover_lines(t: Tree, root, in_block, kw: str, lead_raf=None,

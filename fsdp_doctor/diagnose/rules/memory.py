@@ -603,10 +603,7 @@ def _root_modules_at(ctx: Context, part: str) -> list[str]:
     trailing = set(root.trailing_modules or [])
     mods = [m for m in leading if m] if part == "lead" else \
         [m for m in root.own_modules or [] if m and m not in leading and m not in trailing]
-    # named as the plans name them: each collapsed to the module a unit would shard, blocks by their container
-    conts, (_, head_of) = tree.containers(), S.kept_in_root(tree)
-    return list(dict.fromkeys(f"each block of {S.module_expr(c)}" if (c := S.container_of(m, conts)) is not None
-                              else S.module_expr(head_of.get(m, m)) for m in mods))
+    return S.as_planned(mods, tree.containers(), S.kept_in_root(tree)[1])  # (named as the plans name them)
 
 
 def _last_to_end(pm, roots: set) -> str | None:

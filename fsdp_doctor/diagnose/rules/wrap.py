@@ -155,7 +155,10 @@ class TooCoarse(Rule):
         # the plan also makes units of a whole-model root's other modules (an embedding, a final norm and head): on
         # gloo each pays its collectives too (a new-user trial's DeepSeek-V3, 4 layers and 2 such units: +27%
         # predicted from the layers alone, +65-82% measured)
-        more = S.leftover_units(S.tree(ctx), _leftover_costs(ctx)) if big.is_root and len(blocks) >= 2 and own else 0
+        # (how the plan groups the root's other modules, read once for both estimates below)
+        split_root = big.is_root and len(blocks) >= 2 and own
+        lg = S.leftover_groups(S.tree(ctx), _leftover_costs(ctx)) if split_root else None
+        more = len(lg.lead) + bool(lg.tail) if lg is not None else 0
         # after the split only the first of k units waits in each phase; the rest overlap with compute
         step_after = None
         if step is not None and big.has_timing:
@@ -173,7 +176,7 @@ class TooCoarse(Rule):
             bd = E.breakdown(ctx)
             at_peak = (bd.get("unsharded_params") or 0) + (bd.get("comm_buffers") or 0)
             peak_after = peak - at_peak * (1 - min(1.0, pair / own))
-            if big.is_root and len(us) == 1 and (floor := _after_forward_floor(ctx, big, pair)) is not None:
+            if lg is not None and len(us) == 1 and (floor := _after_forward_floor(ctx, big, pair, lg)) is not None:
                 peak_after = max(peak_after, floor)
         name = big.name or "(root)"
         if own and len(blocks) < 2 and len(us) > 1 and S.tree(ctx).containers():
@@ -582,9 +585,7 @@ class ParamsInRoot(Rule):
         heads = lambda ms: list(dict.fromkeys(head_of.get(m, m) for m in ms))  # noqa: E731
 
         def named(ms: list[str]) -> str:  # (blocks left in the root: their containers, each module named 30 times)
-            return E.fmt_list(list(dict.fromkeys(
-                f"each block of {S.module_expr(c)}" if (c := S.container_of(m, conts)) is not None else
-                S.module_expr(head_of.get(m, m)) for m in ms)))
+            return E.fmt_list(S.as_planned(ms, conts, head_of))
         kept = [m for ms, _ in groups for m in ms]
         if kept and all(m in kept or m in tied for m in own):  # (blocks left in the root are neither)
             return self.quiet(f"the root's parameters are those of {staying}, which stay there, and of modules "
@@ -782,17 +783,19 @@ def _staying_words(root, chunked: list[str], ctx: Context, unread: list[str] = (
          "own they would not be gathered there)"] if unread else [])) or "tied modules"
 
 
-def _after_forward_floor(ctx: Context, root, pair: int) -> int | None:
+def _after_forward_floor(ctx: Context, root, pair: int, groups) -> int | None:
     """A floor under a whole-model unit's peak once its plan splits it (wrap.too_coarse): from the end of its forward
     to its backward's start (the loss) the plan's units hold the trailing unit (the final norm and head, kept gathered
     after forward) and what stays in the root (tied modules, the small groups kept there) where the whole unit held
     all of its gathered parameters and all-gather buffers; every other byte of those marks stays. Its backward's
     high-water mark holds that too where its temporaries are the forward's end's or more (the logits' gradients beside
-    them: the loss's backward, which a whole model's pre-backward hook precedes, and the head's, both before the trailing
-    unit reshards; an HF Llama of a 4,096-token vocabulary split measured its peak there, 22,360,924 B), else the
-    smaller of that and a pair of blocks (``pair``: their own bytes) with what stays in the root beside them. A new-user trial's Jamba (labels=, 2 gloo ranks) read 30.60 -> 27.34 MiB from the pair of
-    blocks gathered at the peak: its peak moved into the loss, 28.45 MiB measured (a GPT whose logits read its
-    embedding, 9.83 predicted, 10.58 measured). None without the peak step's timeline or the root's module sizes."""
+    them: the loss's backward, which a whole model's pre-backward hook precedes, and the head's, both before the
+    trailing unit reshards; an HF Llama of a 4,096-token vocabulary split measured its peak there, 22,360,924 B), else
+    the smaller of that and a pair of blocks (``pair``: their own bytes) with what stays in the root beside them
+    (``groups``: snippets.leftover_groups, how the plan groups the root's other modules). A new-user trial's Jamba
+    (labels=, 2 gloo ranks) read 30.60 -> 27.34 MiB from the pair of blocks gathered at the peak: its peak moved into
+    the loss, 28.45 MiB measured (a GPT whose logits read its embedding, 9.83 predicted, 10.58 measured). None without
+    the peak step's timeline or the root's module sizes."""
     pm = E.peak_memory(ctx)
     tl = (pm.timeline or []) if pm is not None and pm.timeline_step == pm.peak_at.step else []
     sizes, stored = _root_sizes(root)
@@ -803,18 +806,11 @@ def _after_forward_floor(ctx: Context, root, pair: int) -> int | None:
     high = next((i for i in range(end, len(tl)) if tl[i].get("phase") == "in_backward"), None)
     if start is None or high is None:
         return None
-    tree = S.tree(ctx)
-    conts = tree.containers()
-    groups, head_of = S.kept_in_root(tree, _leftover_costs(ctx))
-    # (the tree's root: modules read outside their forward stay as tied ones do, an MPT-style GPT's wte)
-    kept = {m for ms, _ in groups for m in ms} | set(getattr(tree.root(), "tied_modules", None) or [])
-    own = [m for m in root.own_modules or [] if m]
-    last = max((i for i, m in enumerate(own) if S.container_of(m, conts) is not None), default=None)
-    if last is None:
-        return None
-    stay = sum(sizes.get(m, 0) for m in own[:last + 1] if m in kept)
+    # what stays in the root (the groups kept there, and tied modules: with them those read outside their forward, an
+    # MPT-style GPT's wte) and the trailing unit, in their stored bytes
+    stay = groups.nbytes([h for hs, _ in groups.small for h in hs]) + sum(sizes.get(m, 0) for m in groups.skip)
     gathered = lambda b: int(root.unsharded_bytes * min(1.0, b / stored))  # noqa: E731 (own bytes, as gathered)
-    after = gathered(sum(sizes.get(m, 0) for m in own[last + 1:]) + stay)
+    after = gathered(groups.nbytes(groups.tail) + stay)
     logits = int(tl[high].get("temporaries") or 0) >= int(tl[end].get("temporaries") or 0) > 0
     held = {**{i: after for i in range(end, start + 1)}, high: after if logits else min(after, gathered(pair + stay))}
     added = [held[i] - int(r.get("unsharded_params") or 0) - int(r.get("comm_buffers") or 0) if i in held else
