@@ -51,6 +51,9 @@ class UnitConfig(msgspec.Struct, kw_only=True, omit_defaults=True):
 
     name: str  # FSDP's own module fqn for the unit ("" for the root, "norm, lm_head" for a group)
     modules: list[str]  # fqns of the modules the unit was applied to
+    # their classes, the user's (LlamaDecoderLayer, not the FSDP subclass), in the same order: what an auto-wrap
+    # policy by class (accelerate's plugin over _no_split_modules) matched; [] in runs recorded before it
+    module_classes: list[str] = []
     is_root: bool
     # None wherever this torch's FSDP internals could not be read ("unknown"; RunConfig.notes says why)
     param_count: int | None  # elements of the model's parameters (global: with tensor parallelism more than FSDP

@@ -329,6 +329,52 @@ def test_too_fine_leaf_wrapping_names_the_blocks():
     assert h.recommendation.code == f.recommendation.code and "fsdp_plugin" not in h.recommendation.code
 
 
+
+def _nested_plugin_units(big_last: bool = False, outer: bool = True, n: int = 4):
+    """Units accelerate's plugin cut by class where _no_split_modules names a block and the modules inside it (a
+    new-user trial's ConvNeXt: ConvNextLayer inside ConvNextStage, both wrapped, one inside the other), on the
+    reference GPT's names: each block's attn and mlp (CausalSelfAttention, MLP) a unit, inside the block's (Block,
+    its norms; ``outer``), all small; ``big_last``: the last block's mlp most of the model."""
+    us = [unit("", reshard_after_forward=False, timing=dict(fwd_ms=20.0, ag_wait_fwd_ms=1.0))]
+    for i in range(n):
+        if outer:
+            us.append(unit(f"layers.{i}", module_classes=["Block"], n_params=4, param_count=256,
+                           sharded_bytes=512, unsharded_bytes=1024, orig_dtypes=["float32"],
+                           timing=dict(fwd_ms=1.0, ag_wait_fwd_ms=0.8, bwd_ms=1.0, ag_wait_bwd_ms=0.8)))
+        for child, cls in (("attn", "CausalSelfAttention"), ("mlp", "MLP")):
+            k = 2_000_000 if big_last and i == 3 and child == "mlp" else 8_192
+            us.append(unit(f"layers.{i}.{child}", module_classes=[cls], n_params=4, param_count=k,
+                           sharded_bytes=2 * k, unsharded_bytes=4 * k, orig_dtypes=["float32"],
+                           parent=f"layers.{i}" if outer else "", depth=2 if outer else 1,
+                           timing=dict(fwd_ms=1.5, ag_wait_fwd_ms=0.8, bwd_ms=1.5, ag_wait_bwd_ms=0.8)))
+    return us
+
+
+def test_too_fine_under_the_plugin_names_the_blocks_class_alone():
+    """accelerate's transformer-based policy over a block class and classes inside it nests their units (a new-user
+    trial's ConvNeXt under the Trainer): wrap.too_fine said "a size-based policy" cut them and its fix named every
+    class again, changing nothing. It names the classes the run's units are and sets the block's class alone; it is
+    quiet where the plan's blocks are no class the policy can name (the fix would be the run's own policy), and where
+    merging would leave one block holding most of the model (wrap.too_coarse's on the rerun: the ConvNeXt's last
+    stage, 64%)."""
+    kw = dict(step_ms=200.0, sharded_by="accelerate", driver=TRAINER_DRIVER,
+              no_split_modules=["Block", "CausalSelfAttention", "MLP"])
+    (f,) = run_rule("wrap.too_fine", build(units=_nested_plugin_units(), **kw)[0])
+    code = f.recommendation.code
+    assert "trainer.accelerator.state.fsdp_plugin.transformer_cls_names_to_wrap = ['Block']" in code, code
+    assert f.recommendation.where == "trainer" and f.predicted["step_ms_after"] < 200.0
+    text = " ".join(f.recommendation.text.split())
+    assert "transformer-based policy over Block, CausalSelfAttention, MLP (the model's _no_split_modules) cut these " \
+           "units, one inside another: over Block alone it makes each block one unit." in text, text
+    assert "size-based" not in text
+    # the blocks no unit now (only their children, by class): the plan is no class the policy can name
+    kw["no_split_modules"] = ["CausalSelfAttention", "MLP"]
+    st = run_status("wrap.too_fine", build(units=_nested_plugin_units(outer=False, n=6), **kw)[0])
+    assert st.status == "quiet" and "its fix would change nothing" in st.reason, st
+    kw["no_split_modules"] = ["Block", "CausalSelfAttention", "MLP"]
+    st = run_status("wrap.too_fine", build(units=_nested_plugin_units(big_last=True), **kw)[0])
+    assert st.status == "quiet" and "would leave layers.3 holding 98% of the parameters, too coarse" in st.reason, st
+
 def _moe_trial_units(routers: bool = True, experts: bool = False, n_layers: int = 6):
     """A new-user trial's tiny Hugging Face Mixtral (MixtralForCausalLM, 2 gloo ranks, unshard_async_op set): each
     decoder layer a unit (432.50 KiB gathered, 8 tensors), beside it each layer's 1 KiB MoE router ``mlp.gate``

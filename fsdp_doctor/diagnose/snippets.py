@@ -1035,6 +1035,20 @@ def full_checkpointing(wrappers: list[str]) -> str:
         "    wrapper.checkpoint_fn = functools.partial(fn.func, *fn.args, **kw)"])
 
 
+def switches_off_inside(names: list[str], note: str) -> str:
+    """The checkpointing switches (``gradient_checkpointing`` on) of every module inside the named ones (fqns) off:
+    diffusers' blocks and transformer models checkpoint their resnets and transformer blocks while it is on
+    (``enable_gradient_checkpointing()`` sets it on each), so a block checkpointed whole would re-run them inside its
+    own re-run, nested (ac.nested's case); the model's other modules keep theirs. On the model sharded or not."""
+    return "\n".join([*comment(f"checkpointing off {note}: their own modules' switches (diffusers' blocks and "
+                                "transformer models, gradient_checkpointing)"),
+                       "# (your own checkpoint(...) calls in their forward: remove them in your code)",
+                       name_list("inside", list(dict.fromkeys(strip_ckpt(n) for n in names))),
+                       "for name in inside:", "    for sub in model.get_submodule(name).modules():",
+                       "        if getattr(sub, 'gradient_checkpointing', None) is True:",
+                       "            sub.gradient_checkpointing = False"])
+
+
 def checkpoint_flags_off(layers: list[str], note: str) -> str:
     """Activation checkpointing off on the named modules (fqns) by their own ``gradient_checkpointing`` flag
     (transformers' layers, UnitConfig.checkpoint_flag), the model's other layers left checkpointing; on the model

@@ -19,8 +19,9 @@ from . import fsdp2 as F2
 from .memory.device import allocator_limit
 from .optimizers import optimizer_name
 from .throughput import device_peak_tflops
-from .units import (Unit, compiled_frames, compiled_modules, consistency_problem, managed_param_ids, naming_root,
-                    no_forward_of_its_own, sharded_of, snapshot_units, unmanaged_param_bytes, unmanaged_summary)
+from .units import (Unit, checkpointing_layer, compiled_frames, compiled_modules, consistency_problem,
+                    managed_param_ids, naming_root, no_forward_of_its_own, sharded_of, snapshot_units,
+                    unmanaged_param_bytes, unmanaged_summary)
 
 log = logging.getLogger("fsdp_doctor")
 # what the run says when the model's forward ran in a compiled frame the doctor was not given (its hooks do nothing
@@ -428,10 +429,9 @@ def no_split_modules(model: nn.Module) -> list[str] | None:
 
 
 def checkpoint_layers(model: nn.Module) -> list[str]:
-    """The fqns of transformers' layers checkpointing their own forward: a GradientCheckpointingLayer (by class name:
-    no transformers import) with ``gradient_checkpointing`` on, in module order (RunConfig.checkpoint_layers)."""
-    return [n for n, m in model.named_modules() if getattr(m, "gradient_checkpointing", None) is True
-            and any(c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)]
+    """The fqns of transformers' layers checkpointing their own forward (``units.checkpointing_layer``), in module
+    order (RunConfig.checkpoint_layers)."""
+    return [n for n, m in model.named_modules() if checkpointing_layer(m)]
 
 
 def kv_cache(model: nn.Module) -> bool:

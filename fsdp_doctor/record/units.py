@@ -395,10 +395,18 @@ def enclosing_wrapper(unit: Unit) -> list[str]:
     return [n for n, w in unit.around if checkpointing(w)]
 
 
+def checkpointing_layer(m: nn.Module) -> bool:
+    """``m`` checkpoints its own forward: transformers' GradientCheckpointingLayer (by class name: no transformers
+    import) with its ``gradient_checkpointing`` on. Not any module with that flag: diffusers sets it on its blocks
+    too, which then checkpoint their resnets and transformer blocks, not themselves (a U-Net's blocks read AC "unit"
+    where their children re-ran)."""
+    return getattr(m, "gradient_checkpointing", None) is True and any(
+        c.__name__ == "GradientCheckpointingLayer" for c in type(m).__mro__)
+
+
 def checkpoints_itself(u: Unit) -> bool:
-    """The unit's module checkpoints its own forward: transformers' GradientCheckpointingLayer with its
-    ``gradient_checkpointing`` on (UnitConfig.checkpoint_flag)."""
-    return any(getattr(m, "gradient_checkpointing", None) is True for m in u.modules)
+    """The unit's module checkpoints its own forward (``checkpointing_layer``; UnitConfig.checkpoint_flag)."""
+    return any(checkpointing_layer(m) for m in u.modules)
 
 
 def checkpointed_modules(unit: Unit, all_units: list[Unit]) -> list[nn.Module]:
@@ -471,6 +479,7 @@ def snapshot_units(units: list[Unit], read_outside: Optional[frozenset] = None) 
             UnitConfig(
                 name=u.name,
                 modules=u.module_names,
+                module_classes=[user_class(m).__name__ for m in u.modules],
                 is_root=bool(root),
                 param_count=numel,
                 n_params=len(fps) if known else None,

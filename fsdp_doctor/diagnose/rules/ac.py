@@ -650,6 +650,16 @@ class AcWrongGranularity(Rule):
         acts = sum(per_unit.values()) if per_unit else None
         # what checkpointing the children spares now: measured in their recompute (else unknown)
         spared, source = _added_without_checkpointing(ctx, ch, E.peak_memory(ctx))
+        # checkpointed whole, each block regrows in its recompute at once what its children's recomputes held one at
+        # a time: where that raises the peak, the children are the better granularity (a diffusers U-Net's blocks,
+        # each checkpointing its resnets and transformer blocks: the fix pasted raised the peak 58.52 -> 86.79 MiB,
+        # its full-resolution up block's 52.7 MiB regrown at once; a new-user trial)
+        peak_after = _peak_whole(ctx, ch, per_unit, spared) if source == MEASURED and per_unit else None
+        if peak and peak_after is not None and peak_after > peak:
+            return self.quiet(f"checkpointing {E.fmt_list([u.name or '(root)' for u in ch])} whole would raise the "
+                              f"peak from {fmt_bytes(peak)} to {fmt_bytes(peak_after)} at least: each one's recompute "
+                              "would hold at once what its children's recomputes hold one at a time (measured in "
+                              "them)")
         wrappers, functional = _wrappers(ch)
         # checkpointed whole, the blocks' modules outside the inner wrappers re-run too (under checkpoint(...) calls
         # in a forward, which those are is not known)
@@ -677,6 +687,37 @@ class AcWrongGranularity(Rule):
             predicted=E.predicted(step, step, peak, None), units=[u.name for u in ch])]
 
 
+def _peak_whole(ctx: Context, ch: list[E.Unit], kept: dict[str, int], spared: dict[str, int]) -> Optional[int]:
+    """The peak (bytes) with the units ``ch``, whose children are checkpointed, checkpointed whole instead, from the
+    peak step's timeline: from its forward's end to its backward's start each keeps its input alone in place of
+    what it keeps now (``kept``: the tensors between its children); at its backward's start its recompute regrows
+    the whole forward's saves at once, what it keeps now and what its children's recomputes regrow one at a time
+    (``spared``, measured in them), above that mark. A floor: the backward's own bytes beside the recompute (its
+    gradients, its temporaries) come on top, and the mark holds none of them (the U-Net: 76.68 MiB for 86.79
+    measured; the non-activation bytes of its backward's high-water, which hold the children's recompute too, on top
+    read 97.45). None without a timeline showing every one of them."""
+    pm = E.peak_memory(ctx)
+    tl = pm.timeline if pm is not None else None
+    if not tl:
+        return None
+    mem = E.memory_units(ctx)
+    added = [0.0] * len(tl)
+    for u in ch:
+        if u.name not in kept or u.name not in spared:
+            return None
+        row = mem.get(u.name)
+        inp = int(row.input_bytes) if row is not None and row.input_bytes is not UNSET else 0
+        ends = [i for i, r in enumerate(tl) if r.get("unit") == u.name and r.get("phase") == "forward_end"]
+        backs = [i for i, r in enumerate(tl) if r.get("unit") == u.name and r.get("phase") == "backward_start"]
+        if not ends or len(ends) != len(backs):
+            return None
+        for fe, be in zip(ends, backs):
+            for i in range(fe, be):
+                added[i] -= max(0, kept[u.name] - inp)
+            added[be] += inp + spared[u.name]
+    return E.peak_with_rows(pm, added)
+
+
 def _kv_cache(ctx: Context) -> bool:
     """Whether a checkpointing fix turns a Hugging Face KV cache off (snippets.no_kv_cache): a config under the
     model had use_cache on (RunConfig.kv_cache), or may have (not recorded: plain traces, older records). Its lines
@@ -691,9 +732,12 @@ def _granularity_code(wrappers: list[str], functional: list[str], blocks: list[s
     after the fix: it set the children's wrappers on the blocks' wrappers, never called, or, checking its blocks'
     type, sharded none of them; tests/test_ac_granularity_fix_where_wrapped.py). checkpoint(...) calls only (no
     wrapper of the user's to wait for): the blocks wrapped before fully_shard, as ``apply_activation_checkpointing``
-    wraps them."""
+    wraps them, after the switches inside them are off (a diffusers U-Net's blocks checkpoint their resnets and
+    transformer blocks by their own switches, which the blocks' recompute would re-run checkpointed, nested: a
+    new-user trial)."""
     if not wrappers:
-        return S.checkpoint_modules(blocks, "checkpoint whole blocks", kv_cache)
+        return (S.switches_off_inside(blocks, "inside the blocks") + "\n"
+                + S.checkpoint_modules(blocks, "then whole blocks checkpointed", kv_cache))
     return (S.remove_checkpointing(wrappers, functional, note="on the blocks' children") + "\n"
             + S.checkpoint_in_place(blocks, "then whole blocks checkpointed", kv_cache))
 

@@ -98,18 +98,31 @@ def _root_plan(ctx: Context, costs: Optional[S.LeftoverCosts] = None, split: boo
                         split_held=split)
 
 
-def _plugin_wrap(ctx: Context, did: str) -> dict:
+def _plugin_wrap(ctx: Context, did: str, blocks: Optional[list[str]] = None) -> dict:
     """Where accelerate's FSDP2 plugin sharded the model (the Trainer's runs too), its auto-wrap policy cut the units
     (``did``: what it did, in words): the fix sets its transformer-based policy over the model's block classes (its
     _no_split_modules), on the plugin before it shards ({} for the user's own fully_shard calls, or a model without
-    _no_split_modules)."""
+    _no_split_modules). ``blocks``: the plan's units, where the run's units are some of them: the classes of those
+    (a ConvNeXt's _no_split_modules names its layers and the stages holding them, and the plugin's policy, over
+    both, nested them: the fix named both again, changing nothing, under words of a size-based policy; a new-user
+    trial). "noop": the run's units are already those classes, which the fix would name again."""
     lever = E.plugin_lever(ctx)
     classes = getattr(ctx.config, "no_split_modules", None) if lever else None
     if not classes:
         return {}
-    return {"code": S.plugin_wrap(lever, classes), "where": lever,
+    of = {m: c for u in E.non_root(E.units(ctx)) for m, c in zip(u.modules, u.module_classes)}
+    ran = sorted({c for c in of.values() if c in classes})  # its transformer-based policy's classes, as run
+    want = sorted({of[b] for b in blocks or [] if b in of} & set(classes)) if blocks else []
+    chosen = want or list(classes)
+    if ran and blocks is not None:  # (the units cut by class: which classes, as run)
+        return {"code": S.plugin_wrap(lever, chosen), "where": lever, "noop": set(chosen) == set(ran),
+                "text": f"{S.plugin_says(lever)[0]}, the plugin's transformer-based policy over {', '.join(ran)} "
+                        "(the model's _no_split_modules) cut these units"
+                        + (", one inside another" if len(ran) > 1 else "")
+                        + f": over {', '.join(chosen)} alone it makes each block one unit."}
+    return {"code": S.plugin_wrap(lever, chosen), "where": lever, "noop": False,
             "text": f"{S.plugin_says(lever)[0]}, the plugin's auto-wrap policy {did}: its transformer-based policy "
-                    f"over the model's block classes ({', '.join(classes)}) makes each block one unit."}
+                    f"over the model's block classes ({', '.join(chosen)}) makes each block one unit."}
 
 
 @register
@@ -356,13 +369,28 @@ class TooFine(Rule):
         step_after = None
         if step is not None and latency is not None and waits:
             step_after = step - max(0, calls_before - calls_after) * latency
-        plug = _plugin_wrap(ctx, "cut these units (a size-based policy: every module over min_num_params)")
+        plug = _plugin_wrap(ctx, "cut these units (a size-based policy: every module over min_num_params)",
+                            blocks=sorted(set(group.values())))
+        if plug.get("noop"):
+            return self.quiet(f"{len(small)} of {len(us)} units are small, but the plugin's policy already wraps "
+                              "the classes of the blocks that would hold them: its fix would change nothing")
         code = plug.get("code", code)
         title, said = _fine_units(us, small)
         # what replaces what: the units' bytes summed by what holds them after the re-wrap
         groups: dict[str, int] = {}
+        params: dict[str, int] = {}
         for u in us:
             groups[group[u.name]] = groups.get(group[u.name], 0) + u.unsharded_bytes
+            params[group[u.name]] = params.get(group[u.name], 0) + (u.param_count or 0)
+        # a block that would hold most of the model: wrap.too_coarse's on the rerun (a ConvNeXt's last stage, 64% of
+        # the parameters, its layers merged into it: the rerun warned of it, its peak 32.56 -> 36.42 MiB; a new-user
+        # trial)
+        total = E.total_params(E.param_units(ctx))
+        big = max(params, key=params.get) if params else None
+        if big is not None and total and params[big] / total >= COARSE_SHARE_MIN and len(groups) < len(us):
+            return self.quiet(f"{len(small)} of {len(us)} units are small, but merged into their blocks they would "
+                              f"leave {big} holding {fmt_share(params[big] / total)} of the parameters, too coarse "
+                              f"(wrap.too_coarse from {100 * COARSE_SHARE_MIN:.0f}%)")
         replaced = (f" so that each pass (forward, then backward) makes {len(groups)} all-gather"
                     f"{'s' if len(groups) != 1 else ''} of {_each(groups.values())} in place of these {len(us)}"
                     if len(groups) < len(us) and (code or plug) else "")
