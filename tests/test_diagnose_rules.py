@@ -1818,6 +1818,31 @@ def _act_units(n=4, act=16 * MiB):
              "activation_bytes": act} for i in range(n)] + [{"unit": "", "activation_bytes": n * act}]
 
 
+
+def test_ac_recommended_under_the_plugin_counts_every_unit_its_policy_checkpoints():
+    """accelerate's plugin checkpoints every module its policy shards, nested ones too: a new-user trial's diffusers
+    U-Net (its _no_split_modules names the up blocks and the resnets and transformer blocks inside them) read
+    "checkpoint 5 block(s)", the units that are blocks of the tree, "peak <= 139.11 MiB" and 222.6 ms, where the
+    plugin checkpointed all 32 (51.22 MiB, +410 ms). The units its policy made (their classes in _no_split_modules)
+    are the ones counted, here each block and its attn and mlp, one inside the other; a model with no Hugging Face
+    config (no KV cache) gets no use_cache lines."""
+    us = _nested_plugin_units()
+    per_unit = [{"unit": u["name"], "activation_bytes": 2 * MiB} for u, _ in us if u["name"]]
+    mem = memory(40 * MiB, capacity=36 * MiB, per_unit=per_unit + [{"unit": "", "activation_bytes": 24 * MiB}],
+                 activations=24 * MiB, optimizer_state=8 * MiB)
+    kw = dict(memory=mem, capacity=36 * MiB, sharded_by="accelerate", kv_cache=False,
+              no_split_modules=["Block", "CausalSelfAttention", "MLP"])
+    (f,) = run_rule("ac.recommended", build(units=us, **kw)[0])
+    assert f.evidence["blocks_to_checkpoint"] == [u["name"] for u, _ in us if u["name"]], f.evidence
+    assert "checkpoints every layer the plugin shards: all 12 here" in " ".join(f.recommendation.text.split())
+    assert f.recommendation.code.endswith("accelerator.state.fsdp_plugin.activation_checkpointing = True")
+    assert "KV cache" not in f.recommendation.text
+    # the same units recorded before their classes were: the blocks of the tree, as before
+    for u, _ in us:
+        u.pop("module_classes", None)
+    (g,) = run_rule("ac.recommended", build(units=us, **kw)[0])
+    assert g.evidence["blocks_to_checkpoint"] == ["layers.0", "layers.1", "layers.2", "layers.3"], g.evidence
+
 def test_ac_recommended_picks_enough_blocks():
     mem = memory(80 * MiB, capacity=72 * MiB, per_unit=_act_units(), activations=64 * MiB, optimizer_state=8 * MiB)
     ctx, _ = build(memory=mem, capacity=72 * MiB)

@@ -1669,22 +1669,24 @@ def plugin_says(lever: str) -> tuple[str, str]:
             _PLUGIN[lever][1])
 
 
-def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = False) -> str:
+def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = False, kv_cache: bool = True) -> str:
     """Activation checkpointing on or off where accelerate's FSDP2 plugin sharded the model (``lever``: "trainer",
     set on the built Trainer before ``trainer.train()``; "accelerate", on the user's Accelerator before
     ``accelerator.prepare(model)``), which reads the settings as it prepares the model: FSDP's own (the plugin's
     ``activation_checkpointing``: it wraps each layer it shards in a CheckpointWrapper; what transformers advises
     under FSDP) when ``plugin``, and under the Trainer Hugging Face's (the ``activation_checkpointing`` training
-    argument, named ``gradient_checkpointing`` before transformers 5) when ``hf``."""
+    argument, named ``gradient_checkpointing`` before transformers 5) when ``hf``; ``kv_cache``: with no_kv_cache's
+    lines (a Hugging Face config under the model has use_cache on, or may: not recorded)."""
     holder, prepares, option = _PLUGIN[lever]
     lines = []
     if plugin:
         lines += [f"# FSDP's own checkpointing, which {prepares} applies as it shards the model",
                   f"# (or {option.format(on=on)})",
                   f"{holder}.activation_checkpointing = {on}"]
-        if on:  # (the plugin's wrapper, unlike gradient_checkpointing_enable(), leaves use_cache on: each recompute
-            # appended its keys and values again to the cache the output holds; a new-user trial's Qwen2 under
-            # accelerate peaked at 18.83 MiB against 16.29 MiB predicted, 16.30 MiB with the cache off)
+        # (the plugin's wrapper, unlike gradient_checkpointing_enable(), leaves use_cache on: each recompute appended
+        # its keys and values again to the cache the output holds; a new-user trial's Qwen2 under accelerate peaked at
+        # 18.83 MiB against 16.29 MiB predicted, 16.30 MiB with the cache off)
+        if on and kv_cache:
             lines += no_kv_cache("trainer.model" if lever == "trainer" else ROOT).splitlines()
     if hf and lever == "trainer":
         lines += [*comment("Hugging Face's, which trainer.train() applies from its arguments "
