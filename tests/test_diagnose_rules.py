@@ -1981,6 +1981,12 @@ def test_ac_unneeded():
     from fsdp_doctor.present.fmt import FIX_PLACES
 
     assert FIX_PLACES["before_shard"] == "before your fully_shard calls, on the unsharded model"
+    # accelerate's plugin sharded the model, checkpointed by the model's own switch (a diffusers U-Net through
+    # accelerate, a new-user trial): the same lines, before prepare(), on the user's model (who has no fully_shard
+    # call)
+    (g,) = run_rule("ac.unneeded", build(units=us, memory=mem, sharded_by="accelerate")[0])
+    assert g.recommendation.code == f.recommendation.code and g.recommendation.where == "accelerate"
+    assert g.recommendation.inputs == {"model": "your model, before accelerator.prepare(model)"}
     us[2][1]["recompute_ms"] = 4.0
     ctx, _ = build(units=us, memory=mem)
     assert run_rule("ac.unneeded", ctx)[0].evidence["recompute_source"] == "measured"

@@ -595,6 +595,10 @@ class AcUnneeded(Rule):
         elif lever:
             code = S.plugin_checkpointing(False, lever) + (
                 "\n" + S.remove_checkpointing([], functional) if functional else "")
+        # the model's own switch, under accelerate's plugin without its wrappers: before prepare(), where the model
+        # is the user's ("before your fully_shard calls" read to a diffusers U-Net's accelerate user, who has none: a
+        # new-user trial)
+        prepared = not lever and not titan_code and E.plugin_lever(ctx) == "accelerate"
         return [self.finding(
             # (under 1%: one decimal; "the peak is 0% of capacity" beside 0.5% in its evidence, a new-user trial)
             sev, f"Activation checkpointing on {len(ck)} unit(s) while the peak is {fmt_share(peak / cap)} of capacity",
@@ -613,7 +617,8 @@ class AcUnneeded(Rule):
             + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
                "(checkpoint wrappers of your own: build the model without them)." if lever else "")
             + (f" {S.titan_says(titan)}: turn its activation checkpointing off there." if titan is not None else ""),
-            code, where=lever or ("torchtitan" if titan_code else ""),
+            code, where=lever or ("torchtitan" if titan_code else "accelerate" if prepared else ""),
+            inputs={"model": "your model, before accelerator.prepare(model)"} if prepared else None,
             predicted=E.predicted(step, step - recompute if step is not None and recompute is not None else None,
                                   peak, peak_after),
             units=[u.name for u in ck])]
