@@ -107,13 +107,21 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
                 # (whose backward runs inside it: a U-Net's up block holding the plugin's nested units, its recompute
                 # held through theirs)
                 act0, i = int(tl[be].get("activations") or 0), be
-                while i < len(tl) and tl[i].get("phase") in ("backward_start", "in_backward", "backward_end") and (
-                        tl[i].get("unit") != name or tl[i].get("phase") != "backward_end") and (
-                        tl[i].get("unit") == name or bool(name) and str(tl[i].get("unit")).startswith(name + ".")):
+                while i < len(tl) and _within_backward(tl[i], name):
                     added[i] += min(held[name], max(0, act0 - int(tl[i].get("activations") or 0)))
                     added[i] += (regather or {}).get(name, 0)
                     i += 1
     return E.peak_with_rows(pm, added) + flat
+
+
+def _within_backward(row: dict, name: str) -> bool:
+    """A timeline mark inside unit ``name``'s backward before its end: its own backward_start and in_backward marks,
+    and any backward mark of a unit nested inside it (an fqn under its own)."""
+    unit, phase = row.get("unit"), row.get("phase")
+    if unit == name:
+        return phase in ("backward_start", "in_backward")
+    return bool(name) and str(unit).startswith(name + ".") and phase in ("backward_start", "in_backward",
+                                                                          "backward_end")
 
 
 def _unit_activations(ctx: Context, us: list[E.Unit]) -> dict[str, int]:
