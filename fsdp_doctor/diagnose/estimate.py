@@ -1334,6 +1334,11 @@ def timeline_peak(pm: MemoryRank, changes: list[tuple[list[tuple[int, int]], int
     return peak_with_rows(pm, added) + flat
 
 
+def phase_rows(timeline: list[dict], name: str, phase: str) -> list[int]:
+    """The rows of a memory timeline (rows keyed "unit", "phase", ...) where unit ``name`` marks ``phase``."""
+    return [i for i, r in enumerate(timeline) if r.get("unit") == name and r.get("phase") == phase]
+
+
 def peak_with_rows(pm: MemoryRank, added: list[float]) -> int:
     """The peak (bytes) of the peak step ``pm`` (a timeline required) with ``added[i]`` bytes at row i of its
     timeline: the highest mark, moved by as much as the recorded peak sits above the timeline's highest row."""

@@ -969,17 +969,17 @@ _APPLY_CKPT = ("from torch.distributed.algorithms._checkpoint.checkpoint_wrapper
                "    apply_activation_checkpointing, checkpoint_wrapper)\n")
 
 
-def checkpoint_modules(names: list[str], note: str, kv_cache: bool = True) -> str:
+def checkpoint_modules(names: list[str], note: str, kv_cache: bool = True, then: str = "") -> str:
     """Activation checkpointing on exactly the named modules (fqns, checkpoint wrappers' own names dropped), on
-    the unsharded model; ``kv_cache``: with no_kv_cache's lines (a Hugging Face config under the model has use_cache
-    on, or may: not recorded)."""
+    the unsharded model; ``then``: lines after it that read its list ``names`` (switches_off_inside's); ``kv_cache``:
+    with no_kv_cache's lines, last (a Hugging Face config under the model has use_cache on, or may: not recorded)."""
     names = list(dict.fromkeys(strip_ckpt(n) for n in names))
     return (_APPLY_CKPT + f"# {BEFORE_SHARDING} (before fully_shard): {note}\n"
             + name_list("names", names) + "\n"
             "targets = {model.get_submodule(name) for name in names}\n"
             "apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
             "                               check_fn=lambda m: m in targets)"
-            + ("\n" + _NO_KV_CACHE if kv_cache else ""))
+            + ("\n" + then if then else "") + ("\n" + _NO_KV_CACHE if kv_cache else ""))
 
 
 def checkpoint_in_place(names: list[str], note: str, kv_cache: bool = True) -> str:
@@ -1035,16 +1035,17 @@ def full_checkpointing(wrappers: list[str]) -> str:
         "    wrapper.checkpoint_fn = functools.partial(fn.func, *fn.args, **kw)"])
 
 
-def switches_off_inside(names: list[str], note: str) -> str:
-    """The checkpointing switches (``gradient_checkpointing`` on) of every module inside the named ones (fqns) off:
-    diffusers' blocks and transformer models checkpoint their resnets and transformer blocks while it is on
+def switches_off_inside(var: str, note: str) -> str:
+    """The checkpointing switches (``gradient_checkpointing`` on) of every module inside the modules whose fqns the
+    snippet's list ``var`` holds off (the list printed before, by checkpoint_modules: its ``names``): diffusers'
+    blocks and transformer models checkpoint their resnets and transformer blocks while it is on
     (``enable_gradient_checkpointing()`` sets it on each), so a block checkpointed whole would re-run them inside its
-    own re-run, nested (ac.nested's case); the model's other modules keep theirs. On the model sharded or not."""
+    own re-run, nested (ac.nested's case); the model's other modules keep theirs. On the model sharded or not, a
+    block wrapped or not (a CheckpointWrapper's modules hold the block's)."""
     return "\n".join([*comment(f"checkpointing off {note}: their own modules' switches (diffusers' blocks and "
                                 "transformer models, gradient_checkpointing)"),
                        "# (your own checkpoint(...) calls in their forward: remove them in your code)",
-                       name_list("inside", list(dict.fromkeys(strip_ckpt(n) for n in names))),
-                       "for name in inside:", "    for sub in model.get_submodule(name).modules():",
+                       f"for name in {var}:", "    for sub in model.get_submodule(name).modules():",
                        "        if getattr(sub, 'gradient_checkpointing', None) is True:",
                        "            sub.gradient_checkpointing = False"])
 

@@ -88,8 +88,7 @@ def _peak_with(pm, extra: dict[str, int], held: Optional[dict[str, int]] = None,
     flat = 0  # units the timeline does not show at all
     pos = {n: i for i, n in enumerate(order or [])}  # forward order
     for name, b in extra.items():
-        ends = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "forward_end"]
-        backs = [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == "backward_start"]
+        ends, backs = E.phase_rows(tl, name, "forward_end"), E.phase_rows(tl, name, "backward_start")
         blind = not ends and bool(backs) and name in pos
         if blind:  # compiled in place: from the next unit's forward on
             nxt = next((i for i, r in enumerate(tl) if pos.get(r.get("unit"), -1) > pos[name]
@@ -740,8 +739,7 @@ def _peak_whole(ctx: Context, ch: list[E.Unit], kept: dict[str, int], spared: di
             return None
         row = mem.get(u.name)
         inp = int(row.input_bytes) if row is not None and row.input_bytes is not UNSET else 0
-        ends = [i for i, r in enumerate(tl) if r.get("unit") == u.name and r.get("phase") == "forward_end"]
-        backs = [i for i, r in enumerate(tl) if r.get("unit") == u.name and r.get("phase") == "backward_start"]
+        ends, backs = E.phase_rows(tl, u.name, "forward_end"), E.phase_rows(tl, u.name, "backward_start")
         if not ends or len(ends) != len(backs):
             return None
         for fe, be in zip(ends, backs):
@@ -765,12 +763,12 @@ def _granularity_code(wrappers: list[str], functional: list[str], blocks: list[s
     after the fix: it set the children's wrappers on the blocks' wrappers, never called, or, checking its blocks'
     type, sharded none of them; tests/test_ac_granularity_fix_where_wrapped.py). checkpoint(...) calls only (no
     wrapper of the user's to wait for): the blocks wrapped before fully_shard, as ``apply_activation_checkpointing``
-    wraps them, after the switches inside them are off (a diffusers U-Net's blocks checkpoint their resnets and
+    wraps them, and the switches inside them turned off (a diffusers U-Net's blocks checkpoint their resnets and
     transformer blocks by their own switches, which the blocks' recompute would re-run checkpointed, nested: a
     new-user trial)."""
     if not wrappers:
-        return (S.switches_off_inside(blocks, "inside the blocks") + "\n"
-                + S.checkpoint_modules(blocks, "then whole blocks checkpointed", kv_cache))
+        return S.checkpoint_modules(blocks, "checkpoint whole blocks", kv_cache,
+                                    then=S.switches_off_inside("names", "inside the blocks"))
     return (S.remove_checkpointing(wrappers, functional, note="on the blocks' children") + "\n"
             + S.checkpoint_in_place(blocks, "then whole blocks checkpointed", kv_cache))
 

@@ -726,10 +726,6 @@ def _frozen_prefix(ctx: Context, ut) -> tuple[Optional[_Stem], list]:
     return stem, out
 
 
-def _rows(tl: list[dict], name: str, phase: str) -> list[int]:
-    return [i for i, r in enumerate(tl) if r.get("unit") == name and r.get("phase") == phase]
-
-
 def _stem_saved(tl: list[dict], stem: Optional[_Stem]) -> int:
     """Bytes the root's forward saved before its first nested unit's forward (its stem's; 0 without a timeline)."""
     start, nested = _stem_window(tl, stem)
@@ -739,7 +735,7 @@ def _stem_saved(tl: list[dict], stem: Optional[_Stem]) -> int:
 def _stem_window(tl: list[dict], stem: Optional[_Stem]) -> tuple[int, Optional[int]]:
     """The timeline rows of the root's forward start and of the first nested unit's forward start after it (None:
     not in the timeline)."""
-    starts = _rows(tl, stem.name, "forward_start") if stem else []
+    starts = E.phase_rows(tl, stem.name, "forward_start") if stem else []
     if not starts:
         return 0, None
     nested = next((i for i in range(starts[0] + 1, len(tl)) if tl[i].get("phase") == "forward_start"
@@ -762,7 +758,7 @@ def _peak_untrained_frozen(pm, ut, stem: Optional[_Stem], prefix: list, after: O
     added = [-float(ut.grad_bytes)] * len(tl)
     _, nested = _stem_window(tl, stem)
     if nested is not None:
-        ends = [i for i in _rows(tl, stem.name, "backward_end") if i > nested]
+        ends = [i for i in E.phase_rows(tl, stem.name, "backward_end") if i > nested]
         for k in range(nested, ends[0] if ends else len(tl)):
             added[k] -= _stem_saved(tl, stem)
     for u in prefix:
@@ -777,11 +773,11 @@ def _peak_untrained_frozen(pm, ut, stem: Optional[_Stem], prefix: list, after: O
     # each passed tensor, from the row its maker's saves go (the stem's: the first nested forward; a unit's: its
     # forward's end; the first unit's input, made unfrozen, its own) to the root's forward end (the root: the first
     # unit whose forward starts)
-    ends = {u.name: next(iter(_rows(tl, u.name, "forward_end")), None) for u in prefix}
+    ends = {u.name: next(iter(E.phase_rows(tl, u.name, "forward_end")), None) for u in prefix}
     makers = [nested] if nested is not None else [ends[prefix[0].name]] if prefix else []
     root = next((r.get("unit") for r in tl if r.get("phase") == "forward_start" and r.get("unit") is not None), None)
     for name, made in zip([u.name for u in prefix] + ([after] if after else []), makers + list(ends.values())):
-        end = next((i for i in _rows(tl, root, "forward_end") if made is not None and i > made), None)
+        end = next((i for i in E.phase_rows(tl, root, "forward_end") if made is not None and i > made), None)
         for k in range(made, end) if end is not None else ():
             added[k] += inputs.get(name, 0)
     return E.peak_with_rows(pm, added)

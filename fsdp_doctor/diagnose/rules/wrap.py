@@ -114,13 +114,14 @@ def _plugin_wrap(ctx: Context, did: str, blocks: Optional[list[str]] = None) -> 
     ran = sorted({c for c in of.values() if c in classes})  # its transformer-based policy's classes, as run
     want = sorted({of[b] for b in blocks or [] if b in of} & set(classes)) if blocks else []
     chosen = want or list(classes)
+    fix = {"code": S.plugin_wrap(lever, chosen), "where": lever}
     if ran and blocks is not None:  # (the units cut by class: which classes, as run)
-        return {"code": S.plugin_wrap(lever, chosen), "where": lever, "noop": set(chosen) == set(ran),
+        return {**fix, "noop": set(chosen) == set(ran),
                 "text": f"{S.plugin_says(lever)[0]}, the plugin's transformer-based policy over {', '.join(ran)} "
                         "(the model's _no_split_modules) cut these units"
                         + (", one inside another" if len(ran) > 1 else "")
                         + f": over {', '.join(chosen)} alone it makes each block one unit."}
-    return {"code": S.plugin_wrap(lever, chosen), "where": lever, "noop": False,
+    return {**fix, "noop": False,
             "text": f"{S.plugin_says(lever)[0]}, the plugin's auto-wrap policy {did}: its transformer-based policy "
                     f"over the model's block classes ({', '.join(chosen)}) makes each block one unit."}
 
