@@ -1554,6 +1554,10 @@ def main(argv: list[str], clients: dict | None = None) -> int:
     try:
         res = (run_snippets(out) if client == "snippets" else run_scenarios(out) if client == "scenarios"
                else (clients or CLIENTS)[client](out))
+        # every rank done before any leaves: a rank that exits while the other is still connecting a group its
+        # library builds (OLMo-core's Trainer's new_group) reset the other's gloo handshake ("Connection reset by
+        # peer", two CI runs of the long tier)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     print("RESULT " + json.dumps(res), flush=True)
