@@ -301,6 +301,41 @@ def test_a_window_makes_torch_warn_nothing(tmp_path):
     assert not [str(c.message) for c in caught if "profiler" in c.filename], [str(c.message) for c in caught]
 
 
+
+def _users_once_only_warning() -> None:
+    import warnings
+
+    warnings.warn("the user's own warning, shown once at this line", UserWarning)
+
+
+@pytest.mark.compat
+def test_a_window_shows_the_users_once_only_warnings_once(tmp_path):
+    """Python shows a warning once per place under its default filter and forgets what it showed whenever the
+    filters change: the doctor's calls into its window's profiler hid torch's cycle warning with a filter of their
+    own (catch_warnings), and a new-user trial's ModernBERT under the Trainer printed FSDP2's "returned a view tensor"
+    warning on 10 steps a rank, 2 without the doctor. A warning given at every step, with and without torch's cycle
+    warning to hide (the test of that warning above), shows once, and the filters are as they were."""
+    import warnings
+
+    import torch.profiler.profiler as tp
+
+    getattr(tp, "_WARNINGS_SHOWN", set()).clear()
+    w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=1, active=2, warmup=1, every=3)),
+                        on_saved=lambda steps, rel: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        filters = list(warnings.filters)
+        for _ in range(8):
+            _work()
+            _users_once_only_warning()
+            w.step()
+        w.stop()
+        assert warnings.filters == filters
+    mine = [c for c in caught if "the user's own warning" in str(c.message)]
+    assert len(mine) == 1, [str(c.message) for c in caught]
+    assert not [c for c in caught if "clears events" in str(c.message)], [str(c.message) for c in caught]
+
+
 _EVERY_STEP_EVAL = """
 from fsdp_doctor import ProfileSchedule
 model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(3)])

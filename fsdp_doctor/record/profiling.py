@@ -6,6 +6,7 @@ import contextlib
 import gc
 import logging
 import os
+import re
 import threading
 import time
 import warnings
@@ -329,10 +330,30 @@ _CYCLE_WARNING = r"Warning: Profiler clears events at the end of each cycle"
 @contextlib.contextmanager
 def _quiet_profiler():
     """The doctor's own calls into its window's profiler, without torch's cycle warning (``_CYCLE_WARNING``) and
-    nothing else hidden."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=_CYCLE_WARNING, category=UserWarning)
+    nothing else hidden or changed. No warnings filter is added: changing ``warnings.filters`` (catch_warnings does)
+    resets every module's record of the warnings it has shown, so the user's own once-only warnings printed again
+    after each of these calls (FSDP2's "returned a view tensor" under a new-user trial's ModernBERT and Trainer: 10
+    lines a rank, 2 without the doctor). The warning is dropped where it is shown (``warnings.showwarning``, the hook
+    Python calls once its filters let a warning through; others go on to the hook that was there), and torch's
+    once-a-process record of it (``_WARNINGS_SHOWN``) is left as it was, so that the user's own profiler still
+    says it."""
+    import torch.profiler.profiler as tp
+
+    shown = getattr(tp, "_WARNINGS_SHOWN", None)
+    before = set(shown) if isinstance(shown, set) else None
+    hook = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if not (issubclass(category, UserWarning) and re.match(_CYCLE_WARNING, str(message))):
+            hook(message, category, filename, lineno, file, line)
+    warnings.showwarning = show
+    try:
         yield
+    finally:
+        if warnings.showwarning is show:
+            warnings.showwarning = hook
+        if before is not None:
+            shown.difference_update({m for m in shown - before if re.match(_CYCLE_WARNING, m)})
 
 
 #: bytes read and compressed at a time
