@@ -441,13 +441,14 @@ def trainer_hooks():
 
 
 def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, seq=SEQ, items=64, eval_items=8,
-                 vl=False, **args):
+                 vl=False, model_gc=False, **args):
     """A Hugging Face Trainer of a Llama (``width``) on 2 micro-batches of 2 sequences of ``seq`` tokens per step,
     8 steps, evaluating every 3, sharded by accelerate's FSDP2 plugin as the Trainer makes it from ``fsdp_config``
     (``TrainingArguments(fsdp=True, fsdp_config=...)``; accelerate enables FSDP on GPUs only, so the plugin and
     the state are forced here, as in run_accelerate); ``items``: training sequences, ``eval_items`` evaluation
     ones; ``args``: more TrainingArguments. ``vl``: a Qwen2.5-VL on images and text (clients.qwen_vl), the plugin's
-    policy over its _no_split_modules (both block classes)."""
+    policy over its _no_split_modules (both block classes); ``model_gc``: the model's own checkpointing switched on
+    by the user's code before the Trainer is built (its training argument off)."""
     from transformers import LlamaForCausalLM, Trainer, TrainingArguments
 
     import clients
@@ -457,6 +458,8 @@ def make_trainer(callbacks, out_dir, slow_ms=0.0, fsdp_config=None, width=512, s
     # here: 6% of the step at width 512, 15-23% at width 64, where jitter.data_wait fires from 15%)
     model = clients.qwen_vl() if vl else LlamaForCausalLM(llama_config(width, max_position_embeddings=max(2 * SEQ,
                                                                                                         seq)))
+    if model_gc:
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     kw = dict(output_dir=str(out_dir), per_device_train_batch_size=2, per_device_eval_batch_size=2,
               gradient_accumulation_steps=2, max_steps=8, eval_strategy="steps", eval_steps=3, logging_steps=1,
               save_strategy="no", report_to=[], use_cpu=True, ddp_backend="gloo", disable_tqdm=True, seed=0)
@@ -723,7 +726,8 @@ def _outcome(path: Path, rank: int) -> dict:
 def run_trainer_fixes(out: Path) -> dict:
     """Fixes whose lever is the Trainer's own setting, diagnosed and applied as its user would (pasted as printed,
     with the Trainer built, before train()): checkpointing on under an 8 GiB budget, by Hugging Face's training
-    argument and by FSDP's own (fsdp_config), each rerun with its ac.unneeded fix; bf16=True, whose FSDP2 policy
+    argument, by the model's own switch (the user's code) and by FSDP's own (fsdp_config), each rerun with its
+    ac.unneeded fix; bf16=True, whose FSDP2 policy
     reduces in bfloat16, rerun with numerics.reduce_dtype's fix; a Llama whose activations dominate (width 128,
     256 tokens a sequence) under a budget 5% above its peak, rerun with ac.recommended's fix; no wrap policy
     (the decoder layers left in the root), and a Qwen2.5-VL's vision merger the policy leaves there, each rerun with
@@ -745,6 +749,8 @@ def run_trainer_fixes(out: Path) -> dict:
         return res[name]["findings"]
 
     return _each_fixed(run, res, [("hf_ample", "ac.unneeded", {"activation_checkpointing": True}),
+                                  # the model's own switch, turned on by the user's code
+                                  ("model_ample", "ac.unneeded", {"model_gc": True}),
                                   # activations that matter (as "tight"), the checkpointed peak at 70% of the
                                   # budget: one of the two layers fits without
                                   ("hf_some", "ac.fewer_units", {"activation_checkpointing": True, "width": 128,

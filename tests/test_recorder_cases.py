@@ -322,9 +322,11 @@ def _plugin_fix(res: dict, name: str, code: str, where: str = "trainer") -> tupl
     return fixed_pair(res, name, code, where, "accelerate")
 
 
-@pytest.mark.parametrize("how", ["hf", "fsdp"])
+@pytest.mark.parametrize("how", ["hf", "model", "fsdp"])
 def test_hf_trainer_checkpointing_unneeded_fix_sets_the_trainers_own_setting(trainer_fixes_run, how):
-    """A Trainer checkpointing under an ample budget, by Hugging Face's training argument (``hf``) or by FSDP's own
+    """A Trainer checkpointing under an ample budget, by Hugging Face's training argument (``hf``), by the model's own
+    switch, turned on by the user's code before the Trainer was built (``model``: the argument lines alone left it
+    on, a new-user trial's ModernBERT, so the fix turns the switch off on trainer.model too) or by FSDP's own
     (fsdp_config's activation_checkpointing: accelerate wraps each layer and shards the layer inside the wrapper,
     whose fqn the unit's snapshot now names, or from accelerate 1.16 the wrapper). ac.unneeded's fix turns off that setting on the built Trainer
     (code on the unsharded model would be undone by train(), which applies the setting again); pasted as printed,
@@ -333,7 +335,8 @@ def test_hf_trainer_checkpointing_unneeded_fix_sets_the_trainers_own_setting(tra
         before, after, f = _plugin_fix(res, f"{how}_ample", "ac.unneeded")
         plugin = "trainer.accelerator.state.fsdp_plugin.activation_checkpointing = False" in f["code"]
         args = "setattr(trainer.args, name, False)" in f["code"]
-        assert (plugin, args) == ((False, True) if how == "hf" else (True, False)), f["code"]
+        switch = "off = (getattr(trainer.model, 'activation_checkpointing_disable', None)" in f["code"]
+        assert (plugin, args, switch) == ((True, False, False) if how == "fsdp" else (False, True, True)), f["code"]
         if how == "fsdp":  # each layer's unit checkpointed, the wrapper named in its snapshot (_checkpointed_units)
             ckpt = {u[0]: u[2] for u in before["units"] if u[1] == "unit" and u[2]}
             assert ckpt == _checkpointed_units(), before["units"]

@@ -1101,21 +1101,7 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
         lines += ["# checkpointed by checkpoint(...) calls in their forward:",
                   textwrap.fill(", ".join(n or "(root)" for n in functional), width=80, initial_indent="#   ",
                                 subsequent_indent="#   ", break_long_words=False, break_on_hyphens=False),
-                  # (diffusers' models name it the other way round: transformers' names alone found no method on a
-                  # UNet2DConditionModel, and the pasted fix left its checkpointing on, a new-user trial)
-                  # (and timm's set_grad_checkpointing(): the others' names found nothing on a timm ViT, whose
-                  # pasted fix left its checkpointing on, a new-user trial)
-                  "# a Hugging Face model's (transformers' activation_checkpointing_enable(),",
-                  "# gradient_checkpointing_enable() before 5.25; diffusers'",
-                  "# enable_gradient_checkpointing()) or a timm model's (set_grad_checkpointing()):",
-                  "# turned off by its own method",
-                  "off = (getattr(model, 'activation_checkpointing_disable', None)  # newer name",
-                  "       or getattr(model, 'gradient_checkpointing_disable', None)",
-                  "       or getattr(model, 'disable_gradient_checkpointing', None))  # diffusers'",
-                  "if off is not None:",
-                  "    off()",
-                  "elif hasattr(model, 'set_grad_checkpointing'):  # timm's",
-                  "    model.set_grad_checkpointing(False)",
+                  *model_switch_off(ROOT),
                   "# (your own checkpoint(...) calls: remove them in your code)"]
     if wrappers:
         lines += [f"def {NO_CHECKPOINT_FN}(function, *args, **kwargs):",
@@ -1128,6 +1114,26 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
                   "    if hasattr(wrapper, 'checkpoint_fn'):  # (a wrapper still: not unwrapped)",
                   f"        wrapper.checkpoint_fn = {NO_CHECKPOINT_FN}"]
     return "\n".join(lines)
+
+
+def model_switch_off(model: str) -> list[str]:
+    """The lines that turn off a model's own checkpointing switch (``model``: its expression) by its own method,
+    whichever library's it is."""
+    # (diffusers' models name it the other way round: transformers' names alone found no method on a
+    # UNet2DConditionModel, and the pasted fix left its checkpointing on, a new-user trial)
+    # (and timm's set_grad_checkpointing(): the others' names found nothing on a timm ViT, whose
+    # pasted fix left its checkpointing on, a new-user trial)
+    return ["# a Hugging Face model's (transformers' activation_checkpointing_enable(),",
+            "# gradient_checkpointing_enable() before 5.25; diffusers'",
+            "# enable_gradient_checkpointing()) or a timm model's (set_grad_checkpointing()):",
+            "# turned off by its own method (transformers' newer name, its older, diffusers')",
+            f"off = (getattr({model}, 'activation_checkpointing_disable', None)",
+            f"       or getattr({model}, 'gradient_checkpointing_disable', None)",
+            f"       or getattr({model}, 'disable_gradient_checkpointing', None))",
+            "if off is not None:",
+            "    off()",
+            f"elif hasattr({model}, 'set_grad_checkpointing'):  # timm's",
+            f"    {model}.set_grad_checkpointing(False)"]
 
 
 def unit_list(t: Tree, var: str = "units") -> str:
@@ -1676,7 +1682,8 @@ def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = F
     ``accelerator.prepare(model)``), which reads the settings as it prepares the model: FSDP's own (the plugin's
     ``activation_checkpointing``: it wraps each layer it shards in a CheckpointWrapper; what transformers advises
     under FSDP) when ``plugin``, and under the Trainer Hugging Face's (the ``activation_checkpointing`` training
-    argument, named ``gradient_checkpointing`` before transformers 5) when ``hf``; ``kv_cache``: with no_kv_cache's
+    argument, named ``gradient_checkpointing`` before transformers 5, and turned off, the model's own switch too) when
+    ``hf``; ``kv_cache``: with no_kv_cache's
     lines (a Hugging Face config under the model has use_cache on, or may: not recorded)."""
     holder, prepares, option = _PLUGIN[lever]
     lines = []
@@ -1695,6 +1702,12 @@ def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = F
                   "for name in ('activation_checkpointing', 'gradient_checkpointing'):",
                   "    if hasattr(trainer.args, name):",
                   f"        setattr(trainer.args, name, {on})"]
+        # off: the model's own switch too, which the user's code may have turned on before building the Trainer (the
+        # Trainer turns it on from its arguments, never off: a new-user trial's ModernBERT, its
+        # gradient_checkpointing_enable() called on the model, pasted the argument lines alone and checkpointed on)
+        if not on:
+            lines += ["# and the model's own switch, where your code turned it on",
+                      *model_switch_off("trainer.model")]
     return "\n".join(lines)
 
 

@@ -622,7 +622,9 @@ class AcUnneeded(Rule):
             + (f", and about {fmt_bytes(peak_after)} without it ({source})" if peak_after is not None else "") + ". "
             "Turn it off and spend the headroom on speed." + _running_stats(stats, on=False, up_to=up_to)
             + (f" {S.plugin_says(lever)[0]}, turn off the setting that applied it before {S.plugin_says(lever)[1]} "
-               "(checkpoint wrappers of your own: build the model without them)." if lever else "")
+               + ("(the training argument, or the model's own switch where your code turned it on; "
+                  if lever == "trainer" and functional else "(")
+               + "checkpoint wrappers of your own: build the model without them)." if lever else "")
             + (f" {S.titan_says(titan)}: turn its activation checkpointing off there." if titan is not None else ""),
             code, where=lever or ("torchtitan" if titan_code else "accelerate" if prepared else ""),
             inputs={"model": "your model, before accelerator.prepare(model)"} if prepared else None,
