@@ -1065,7 +1065,7 @@ def checkpoint_flags_off(layers: list[str], note: str) -> str:
 NO_CHECKPOINT_FN = "without_checkpoint"
 
 
-def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "") -> str:
+def remove_checkpointing(wrappers: list[str], functional: list[str], note: str = "", header: str = "") -> str:
     """Activation checkpointing off: every CheckpointWrapper (fqns) left in place, calling the module it wraps as it
     is (its ``checkpoint_fn``, torch 2.6 to 2.15; one already unwrapped is left as it is), on the model sharded or
     not: after the user's checkpoint_wrapper and fully_shard calls, where every wrapper exists, however they were
@@ -1079,8 +1079,11 @@ def remove_checkpointing(wrappers: list[str], functional: list[str], note: str =
     ``checkpoint(...)`` calls are named in a comment, since only their code can change; alone, the lines go before
     the user's fully_shard calls, beside the enable call. ``note``: the header's words where checkpointing stays on
     elsewhere (ac.wrong_granularity's, on the blocks' children: checkpoint_in_place wraps the blocks next, after
-    the same calls)."""
-    if wrappers:
+    the same calls). ``header``: the wrappers' lines headed by these words alone (wrapped to 70 columns: the lines
+    also go inside a Trainer callback's method)."""
+    if wrappers and header:
+        lines = textwrap.wrap(header, width=70, initial_indent="# ", subsequent_indent="# ")
+    elif wrappers:
         lines = textwrap.wrap("activation checkpointing off" + (f" {note}" if note else "") + ": after your "
                               "checkpoint_wrapper (apply_activation_checkpointing) and fully_shard calls, where "
                               "every wrapper exists (a loop that wraps and shards each layer makes them there); "

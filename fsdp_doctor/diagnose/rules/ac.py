@@ -890,6 +890,16 @@ def _nesting(ctx: Context) -> Optional[dict[str, list[str]]]:
     return {n: ins for n in on if (ins := [i for i in on if i != n and (not n or i.startswith(n + "."))])}
 
 
+def _wrapper_nesting(ctx: Context) -> dict[str, list[str]]:
+    """CheckpointWrappers (fqns as the units name them) that hold others, each with those inside it: accelerate's
+    plugin wraps every module of its policy's classes, nested ones too (a ConvNeXt's stages and the layers inside
+    them, both in its _no_split_modules)."""
+    ws = list(dict.fromkeys(w for u in E.units(ctx) for w in u.checkpoint_wrappers))
+    plain = {w: S.strip_ckpt(w) for w in ws}
+    return {w: ins for w in ws
+            if (ins := [i for i in ws if i != w and (not plain[w] or plain[i].startswith(plain[w] + "."))])}
+
+
 def _in_nesting(u: E.Unit, nested: dict[str, list[str]]) -> bool:
     """Whether the unit's module is one of ``_nesting``'s layers, lies inside one or holds one: its
     own checkpointing turned off leaves the others' recompute (the Swin's blocks inside its stages, or its stages as
@@ -915,12 +925,17 @@ class AcNested(Rule):
         spared, and their inputs (their checkpoints' own) held from forward to backward where the outer checkpoint
         held only its input, beside what the outer layers' other operators save (a patch merging's)."""
         nested = _nesting(ctx)
-        if nested is None:
+        # CheckpointWrappers nested the same way (accelerate's plugin over a ConvNeXt's stages and layers: each
+        # layer's forward ran three times a step, a new-user trial), where no switches are
+        wrapped = {} if nested else _wrapper_nesting(ctx)
+        if nested is None and not wrapped:
             return self.skip("the run does not record its checkpointing layers (recorded before checkpoint_layers)")
-        if not nested:
-            return self.quiet("no layer that checkpoints its own forward holds another switched on")
-        outer = list(nested)
-        inner = list(dict.fromkeys(i for ins in nested.values() for i in ins))
+        if not nested and not wrapped:
+            return self.quiet("no layer that checkpoints its own forward holds another switched on, and no "
+                              "checkpoint wrapper holds another")
+        nested = nested or wrapped
+        outer = [S.strip_ckpt(o) for o in nested]
+        inner = list(dict.fromkeys(S.strip_ckpt(i) for ins in nested.values() for i in ins))
         by_module = {S.strip_ckpt(u.modules[0]): u for u in E.units(ctx) if u.modules}
         inner_units = [by_module[i] for i in inner if i in by_module]  # (the Swin's blocks as units)
         outer_units = [by_module[o] for o in outer if o in by_module]  # (its stages as units, blocks inside)
@@ -941,24 +956,35 @@ class AcNested(Rule):
         peak_after = peak + held if peak is not None and held is not None else None
         sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
         shown = E.fmt_list(inner[:4] + ([f"{len(inner) - 4} more"] if len(inner) > 4 else []))
+        keeps = f"on the {len(outer)} layer(s) holding other checkpointed layers (each of those keeps its own)"
+        lever = E.plugin_lever(ctx) if wrapped else None
         return [self.finding(
             sev, f"{len(inner)} checkpointed layer(s) re-run inside {len(outer)} checkpointed layer(s) around them",
             {"outer_layers": outer, "inner_layers": inner, "forward_runs_per_step": 3,
              "recompute_ms_spared": round(spared, 3) if spared else None, "step_p50_ms": step,
              "inputs_held_bytes": held},
-            f"{E.fmt_list(outer)} checkpoint their own forward with transformers' switch (gradient_checkpointing) "
-            f"on, and so do {len(inner)} layers inside them ({shown}): in backward the outer recompute re-runs each "
+            (f"{E.fmt_list(outer)} checkpoint their own forward in a CheckpointWrapper, and so do {len(inner)} "
+             f"layers inside them ({shown})" if wrapped else
+             f"{E.fmt_list(outer)} checkpoint their own forward with transformers' switch (gradient_checkpointing) "
+             f"on, and so do {len(inner)} layers inside them ({shown})")
+            + ": in backward the outer recompute re-runs each "
             "inner layer's forward, then its own checkpoint re-runs it again, three forwards a step where two do. "
-            "Turning the outer layers' switch off leaves each inner one checkpointing itself: "
+            + (f"{S.plugin_says(lever)[0]}, the plugin's activation_checkpointing wraps every module its policy "
+               "shards, those inside others too. " if lever else "")
+            + ("Turning the outer wrappers' checkpointing off (each stays, calling its module as it is) leaves each "
+               "inner one checkpointing itself: " if wrapped else
+               "Turning the outer layers' switch off leaves each inner one checkpointing itself: ")
             + (f"~{spared:.1f} ms of recompute a step spared" if spared else "one forward of each spared (not timed "
                "here)")
             + (f", for their inputs ({fmt_bytes(held)}) held from forward to backward where the outer checkpoints "
                "held only theirs, beside what the outer layers' own operators save (not measured apart)"
                if held is not None else ", for their inputs and what the outer layers' own operators save, held "
                "from forward to backward (not measured apart)")
-            + ". The switch is each layer's attribute: set it after checkpointing is switched on "
-            "(gradient_checkpointing_enable(), or a Trainer's gradient_checkpointing=True, at train()'s start).",
-            S.checkpoint_flags_off(outer, f"on the {len(outer)} layer(s) holding other checkpointed layers (each of "
-                                          "those keeps its own)"),
+            + (". The wrappers exist once the model is wrapped and sharded: the lines go after that." if wrapped else
+               ". The switch is each layer's attribute: set it after checkpointing is switched on "
+               "(gradient_checkpointing_enable(), or a Trainer's gradient_checkpointing=True, at train()'s start)."),
+            S.remove_checkpointing(list(nested), [], header=f"activation checkpointing off {keeps}: each wrapper "
+                                   "stays, calling its module as it is") if wrapped else
+            S.checkpoint_flags_off(outer, keeps),
             predicted=E.predicted(step, step - spared if step is not None and spared else None, peak, peak_after),
             units=[u.name for u in [*outer_units, *inner_units]])]
