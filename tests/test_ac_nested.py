@@ -75,6 +75,22 @@ _SCRIPT = textwrap.dedent(
 _STAGES = [f"swin.encoder.layers.{i}" for i in range(4)]
 
 
+def _pasted(tmp_path, f, checkpoint: str):
+    """The run again with ``f``'s fix pasted after the sharding, as printed: every unit checkpoints as
+    ``checkpoint`` says, ac.nested is quiet and each rank's losses are the base run's; returns its Report."""
+    fix = tmp_path / "fix.py"
+    fix.write_text(f.recommendation.code)
+    fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
+    assert all(u.checkpoint == checkpoint for u in fixed.units if not u.is_root), \
+        [(u.name, u.checkpoint, u.checkpoint_flag) for u in fixed.units]
+    (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
+    assert st.status == "quiet", (st.status, st.reason)
+    for rank in (0, 1):
+        assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
+            json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())
+    return fixed
+
+
 @pytest.mark.slow
 def test_stages_switched_off_leave_each_block_checkpointing_itself_once(tmp_path):
     base = record_two_ranks(tmp_path, _SCRIPT, "base")
@@ -94,19 +110,11 @@ def test_stages_switched_off_leave_each_block_checkpointing_itself_once(tmp_path
     (fu,) = [s for s in fsdp_doctor.build_report(run).rules if s.code == "ac.fewer_units"]
     assert fu.status == "quiet" and "(ac.nested)" in fu.reason, (fu.status, fu.reason)
 
-    fix = tmp_path / "fix.py"
-    fix.write_text(f.recommendation.code)
-    fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
-    assert all(u.checkpoint == "unit" for u in fixed.units if not u.is_root)
-    (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
-    assert st.status == "quiet", (st.status, st.reason)
+    fixed = _pasted(tmp_path, f, "unit")
     # the units' inputs now held from forward to backward: the peak rises by them at least (the stages' patch
     # merging saves its own besides, not measured apart)
     peak = max(m.peak_bytes for m in fixed.memory.per_rank.values())
     assert f.predicted.peak_bytes_after <= peak <= f.predicted.peak_bytes_after * 1.06, (peak, f.predicted)
-    for rank in (0, 1):
-        assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
-            json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())
 
 
 @pytest.mark.slow
@@ -122,20 +130,12 @@ def test_stage_units_switched_off_leave_their_blocks_checkpointing(tmp_path, mon
     assert f.evidence["outer_layers"] == _STAGES and len(f.evidence["inner_layers"]) == 8, f.evidence
     assert f.units == _STAGES and f.predicted.peak_bytes_after is None, (f.units, f.predicted)
     assert f.predicted.step_ms_after < f.predicted.step_ms_before
-    fix = tmp_path / "fix.py"
-    fix.write_text(f.recommendation.code)
-    fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
-    assert all(u.checkpoint == "children" and not u.checkpoint_flag for u in fixed.units if not u.is_root), \
-        [(u.name, u.checkpoint, u.checkpoint_flag) for u in fixed.units]
-    (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
-    assert st.status == "quiet", (st.status, st.reason)
+    fixed = _pasted(tmp_path, f, "children")
+    assert not any(u.checkpoint_flag for u in fixed.units if not u.is_root), fixed.units
     # nor does ac.wrong_granularity ask for the stages checkpointed again (its fix did, the blocks' switches left on:
     # the nesting back): the blocks are transformers' own layers, whole blocks of the model
     (wg,) = [s for s in fixed.rules if s.code == "ac.wrong_granularity"]
     assert wg.status == "quiet" and "transformers' own layers checkpointing themselves (8: " in wg.reason, wg
-    for rank in (0, 1):
-        assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
-            json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())
 
 
 @pytest.mark.slow
@@ -155,14 +155,6 @@ def test_stage_wrappers_turned_off_leave_their_blocks_wrappers_checkpointing(tmp
     assert "wrappers = ['swin.encoder.layers.0', 'swin.encoder.layers.1'," in f.recommendation.code
     assert "checkpoint wrapper" not in f.recommendation.where and f.recommendation.where == "sharded"
     assert f.predicted.step_ms_after < f.predicted.step_ms_before
-    fix = tmp_path / "fix.py"
-    fix.write_text(f.recommendation.code)
-    fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
-    assert all(u.checkpoint == "unit" for u in fixed.units if not u.is_root)
-    (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
-    assert st.status == "quiet", (st.status, st.reason)
+    fixed = _pasted(tmp_path, f, "unit")
     recompute = [sum(u.timing_p50.recompute_ms or 0.0 for u in r.units if not u.is_root) for r in (base, fixed)]
     assert recompute[1] < 0.85 * recompute[0], recompute
-    for rank in (0, 1):
-        assert json.loads((tmp_path / f"base.losses{rank}.json").read_text()) == \
-            json.loads((tmp_path / f"fixed.losses{rank}.json").read_text())
