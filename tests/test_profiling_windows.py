@@ -280,12 +280,14 @@ def test_a_second_doctor_in_the_process_names_the_first_not_the_user(tmp_path, c
 
 
 @pytest.mark.compat
-def test_a_window_makes_torch_warn_nothing(tmp_path):
+@pytest.mark.parametrize("action", ["always", "error"])
+def test_a_window_makes_torch_warn_nothing(tmp_path, action):
     """A window is a profiler of its own, one cycle: torch 2.11 (the GPU machine's) warned on every rank of every
     watched run that the profiler "clears events at the end of each cycle ... set acc_events=True", a flag the
     user does not hold (a new-user trial). acc_events=True silenced it but made every window's stop build its events in
     Python (a Mamba's export step 10.8 s): the window runs without it and the doctor hides that one warning in its
-    own calls. Checked under torch 2.11 (fails there without the filter), 2.6 and 2.15 (never warn)."""
+    own calls. Checked under torch 2.11 (fails there without the filter), 2.6 and 2.15 (never warn). Where warnings
+    are errors (``-W error``) a window runs all the same."""
     import warnings
 
     import torch.profiler.profiler as tp
@@ -295,7 +297,7 @@ def test_a_window_makes_torch_warn_nothing(tmp_path):
     w = ProfilerWindows(tmp_path, 0, resolve_profile(ProfileSchedule(first=2, active=2, warmup=1, every=0)),
                         on_saved=lambda steps, rel: saved.append(steps))
     with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+        warnings.simplefilter(action)
         _drive(w, 6)
     assert saved == [[2, 3]]
     assert not [str(c.message) for c in caught if "profiler" in c.filename], [str(c.message) for c in caught]

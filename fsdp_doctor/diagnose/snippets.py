@@ -1686,8 +1686,8 @@ def plugin_checkpointing(on: bool, lever: str, plugin: bool = True, hf: bool = F
     ``activation_checkpointing``: it wraps each layer it shards in a CheckpointWrapper; what transformers advises
     under FSDP) when ``plugin``, and under the Trainer Hugging Face's (the ``activation_checkpointing`` training
     argument, named ``gradient_checkpointing`` before transformers 5, and turned off, the model's own switch too) when
-    ``hf``; ``kv_cache``: with no_kv_cache's
-    lines (a Hugging Face config under the model has use_cache on, or may: not recorded)."""
+    ``hf``; ``kv_cache``: with no_kv_cache's lines (a Hugging Face config under the model has use_cache on, or may:
+    not recorded)."""
     holder, prepares, option = _PLUGIN[lever]
     lines = []
     if plugin:

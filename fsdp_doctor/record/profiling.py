@@ -325,6 +325,11 @@ class ProfilerWindows:
 #: the warning torch 2.11 (and versions before it, not 2.6) gives a one-cycle profiler without acc_events, which has
 #: no cycles to clear
 _CYCLE_WARNING = r"Warning: Profiler clears events at the end of each cycle"
+#: its whole text as torch writes it, which torch warns once a process (profiler._WARNINGS_SHOWN): 2.11's sentences
+#: run together, 2.13's spaced
+_CYCLE_WARNING_TEXTS = tuple(sep.join(["Warning: Profiler clears events at the end of each cycle.",
+                                       "Only events from the current cycle will be reported.",
+                                       "To keep events across cycles, set acc_events=True."]) for sep in ("", " "))
 
 
 @contextlib.contextmanager
@@ -333,14 +338,17 @@ def _quiet_profiler():
     nothing else hidden or changed. No warnings filter is added: changing ``warnings.filters`` (catch_warnings does)
     resets every module's record of the warnings it has shown, so the user's own once-only warnings printed again
     after each of these calls (FSDP2's "returned a view tensor" under a new-user trial's ModernBERT and Trainer: 10
-    lines a rank, 2 without the doctor). The warning is dropped where it is shown (``warnings.showwarning``, the hook
-    Python calls once its filters let a warning through; others go on to the hook that was there), and torch's
-    once-a-process record of it (``_WARNINGS_SHOWN``) is left as it was, so that the user's own profiler still
-    says it."""
+    lines a rank, 2 without the doctor). torch is told it has given the warning already (its once-a-process record,
+    ``_WARNINGS_SHOWN``, holding its known texts for these calls, then as it was, so that the user's own profiler
+    still says it): nothing to filter, even where warnings are errors (``-W error``); a text not known is dropped
+    where it is shown (``warnings.showwarning``, the hook Python calls once its filters let a warning through;
+    others go on to the hook that was there)."""
     import torch.profiler.profiler as tp
 
     shown = getattr(tp, "_WARNINGS_SHOWN", None)
     before = set(shown) if isinstance(shown, set) else None
+    if before is not None:
+        shown.update(_CYCLE_WARNING_TEXTS)
     hook = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):
