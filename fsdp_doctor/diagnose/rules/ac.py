@@ -811,12 +811,13 @@ class AcFewerUnits(Rule):
         # not one inside a module that checkpoints itself, whose recompute re-runs it whatever its own does (a Swin's
         # blocks inside its stages: the fix turned 6 blocks' flags off for "26.26 -> 32.52 MiB" and the peak stayed
         # at 26.11, a new-user trial; ac.nested says it)
-        nesting = _nesting(ctx) or {}
+        nesting = _nesting(ctx) or {S.strip_ckpt(w): [S.strip_ckpt(i) for i in ins]
+                                    for w, ins in _wrapper_nesting(ctx).items()}
         cands = [u for u in ck if u.checkpoint == "unit" and (u.checkpoint_wrappers or u.checkpoint_flag)
                  and extra.get(u.name) is not None and not _in_nesting(u, nesting)]
         if not cands and any(_in_nesting(u, nesting) for u in ck):
-            return self.quiet("the checkpointed units are, hold or lie inside transformers' layers that checkpoint "
-                              "inside others: one's switch off leaves the other's recompute (ac.nested)")
+            return self.quiet("the checkpointed units are, hold or lie inside layers that checkpoint inside others: "
+                              "one's checkpointing off leaves the other's recompute (ac.nested)")
         if not cands:
             return self.quiet("the checkpointed units re-run through checkpoint(...) calls in code, which only that "
                               "code can change for some of them")
