@@ -20,6 +20,7 @@ import msgspec
 import pytest
 
 import fsdp_doctor
+from fsdp_doctor.diagnose import snippets as S
 
 from conftest import gloo_worker, record_two_ranks
 
@@ -37,23 +38,32 @@ _SCRIPT = textwrap.dedent(
     """
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)  # (gradient_checkpointing_enable: renamed in v6)
-    from transformers import SwinConfig, SwinForImageClassification
-    cfg = SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[2, 2, 2, 2], num_heads=[2, 2, 4, 4],
-                     window_size=2, num_labels=10, drop_path_rate=0.0)
-    model = SwinForImageClassification(cfg)
+    from transformers import (ConvNextConfig, ConvNextForImageClassification, SwinConfig,
+                              SwinForImageClassification)
+    if os.environ.get("MODEL") == "convnext":  # stages of layers, both in its _no_split_modules
+        model = ConvNextForImageClassification(ConvNextConfig(hidden_sizes=[64] * 4, depths=[3] * 4, image_size=64,
+                                                              num_labels=10, drop_path_rate=0.0))
+        stages, inner, classes = model.convnext.encoder.stages, "layers", ("ConvNextStage", "ConvNextLayer")
+    else:
+        cfg = SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[2, 2, 2, 2], num_heads=[2, 2, 4, 4],
+                         window_size=2, num_labels=10, drop_path_rate=0.0)
+        model = SwinForImageClassification(cfg)
+        stages, inner, classes = model.swin.encoder.layers, "blocks", ("SwinStage", "SwinLayer")
     if os.environ.get("CKPT") == "wrappers":  # accelerate's plugin's checkpointing: a wrapper on every policy class
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
             apply_activation_checkpointing, checkpoint_wrapper)
         apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda m: type(m).__name__ in ("SwinStage", "SwinLayer"))
+                                       check_fn=lambda m: type(m).__name__ in classes)
     else:
         model.gradient_checkpointing_enable()
-    for stage in model.swin.encoder.layers:
+    for stage in stages:
         if os.environ.get("WRAP") == "stages":  # accelerate's plugin's policy: Swin's _no_split_modules
             fully_shard(stage)
             continue
-        for block in stage.blocks:
+        for block in getattr(stage, inner):
             fully_shard(block)
+        if os.environ.get("WRAP") == "both":  # each stage a unit too, around its blocks' (the plugin's policy)
+            fully_shard(stage)
     fully_shard(model)
     if fix:  # after the user's sharding and checkpointing, as printed
         exec(open(fix).read(), {"model": model})
@@ -75,13 +85,15 @@ _SCRIPT = textwrap.dedent(
 _STAGES = [f"swin.encoder.layers.{i}" for i in range(4)]
 
 
-def _pasted(tmp_path, f, checkpoint: str):
+def _pasted(tmp_path, f, checkpoint: str | set[str]):
     """The run again with ``f``'s fix pasted after the sharding, as printed: every unit checkpoints as
-    ``checkpoint`` says, ac.nested is quiet and each rank's losses are the base run's; returns its Report."""
+    ``checkpoint`` says (one way, or any of a set), ac.nested is quiet and each rank's losses are the base run's;
+    returns its Report."""
     fix = tmp_path / "fix.py"
     fix.write_text(f.recommendation.code)
     fixed = record_two_ranks(tmp_path, _SCRIPT, "fixed", str(fix))
-    assert all(u.checkpoint == checkpoint for u in fixed.units if not u.is_root), \
+    assert all(u.checkpoint in ({checkpoint} if isinstance(checkpoint, str) else checkpoint)
+               for u in fixed.units if not u.is_root), \
         [(u.name, u.checkpoint, u.checkpoint_flag) for u in fixed.units]
     (st,) = [s for s in fixed.rules if s.code == "ac.nested"]
     assert st.status == "quiet", (st.status, st.reason)
@@ -143,22 +155,37 @@ def test_stage_units_switched_off_leave_their_blocks_checkpointing(tmp_path, mon
 
 
 @pytest.mark.slow
-def test_stage_wrappers_turned_off_leave_their_blocks_wrappers_checkpointing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("wrap", ["blocks", "both"])
+def test_stage_wrappers_turned_off_leave_their_blocks_wrappers_checkpointing(tmp_path, monkeypatch, wrap):
     """Checkpoint wrappers on the stages and on the blocks inside them (apply_activation_checkpointing over both
     classes, as accelerate's plugin does over a model's _no_split_modules), each block a unit: no switch is on, and
     ac.nested reads the wrappers. Its fix, pasted after the sharding as printed, turns the stages' wrappers off (each
     stays, calling its stage as it is); the rerun's blocks still checkpoint, the rule is quiet, the recompute falls
-    and the losses are the same."""
+    and the losses are the same. A ConvNeXt with each stage a unit too (``both``, its layout under the plugin, as
+    the trial's): the peak after is read off the timeline, the layers' inputs held longer from each stage's forward
+    to its backward, where its recompute regrew them anyway (within 10% of the rerun's; every input added at the
+    peak read 16.12 MiB for the trial's 13.99, and fails it)."""
     monkeypatch.setenv("CKPT", "wrappers")
+    monkeypatch.setenv("WRAP", wrap)
+    stages = _STAGES
+    if wrap == "both":
+        monkeypatch.setenv("MODEL", "convnext")
+        stages = [f"convnext.encoder.stages.{i}" for i in range(4)]
+    n = 8 if wrap == "blocks" else 12
     base = record_two_ranks(tmp_path, _SCRIPT, "base")
-    blocks = [u for u in base.units if not u.is_root]
-    assert len(blocks) == 8 and all(u.checkpoint == "unit" and u.checkpoint_wrappers for u in blocks)
+    blocks = [u for u in base.units if not u.is_root and S.strip_ckpt(u.name) not in stages]
+    assert len(blocks) == n and all(u.checkpoint == "unit" and u.checkpoint_wrappers for u in blocks)
+    assert len(base.units) == 1 + n + (4 if wrap == "both" else 0), [u.name for u in base.units]
     (f,) = [f for f in base.findings if f.code == "ac.nested"]
-    assert f.evidence["outer_layers"] == _STAGES, f.evidence
-    assert len(f.evidence["inner_layers"]) == 8 and f.units == [u.name for u in blocks], (f.evidence, f.units)
-    assert "wrappers = ['swin.encoder.layers.0', 'swin.encoder.layers.1'," in f.recommendation.code
+    assert f.evidence["outer_layers"] == stages, f.evidence
+    assert len(f.evidence["inner_layers"]) == n, f.evidence
+    assert f.units == [*(stages if wrap == "both" else []), *[u.name for u in blocks]], f.units
+    assert f"wrappers = ['{stages[0]}', '{stages[1]}'," in f.recommendation.code
     assert f.recommendation.where == "sharded" and f.predicted.step_ms_after < f.predicted.step_ms_before
     _fewer_units_leave_them(tmp_path, base)
-    fixed = _pasted(tmp_path, f, "unit")
+    fixed = _pasted(tmp_path, f, {"unit"} if wrap == "blocks" else {"unit", "none"})
     recompute = [sum(u.timing_p50.recompute_ms or 0.0 for u in r.units if not u.is_root) for r in (base, fixed)]
     assert recompute[1] < 0.85 * recompute[0], recompute
+    if wrap == "both":
+        peak = max(m.peak_bytes for m in fixed.memory.per_rank.values())
+        assert abs(peak - f.predicted.peak_bytes_after) <= 0.10 * peak, (peak, f.predicted)
