@@ -901,20 +901,22 @@ def _wrapper_nesting(ctx: Context) -> dict[str, list[str]]:
             if (ins := [i for i in ws if i != w and (not plain[w] or plain[i].startswith(plain[w] + "."))])}
 
 
-def _peak_inputs_held(ctx: Context, outer: list[E.Unit], inner: list[E.Unit]) -> int:
+def _peak_inputs_held(ctx: Context, outer: list[E.Unit], inside: dict[str, list[E.Unit]],
+                      inputs: dict[str, int]) -> int:
     """The peak once each outer unit stops checkpointing and its inner units' inputs are held from forward to
     backward (ac.nested, every layer a unit): from the outer unit's backward the outer recompute regrew them anyway,
     so they are held longer only from its forward's end to there (a unit of no parameters has no backward mark: to
     its last inner unit's, the first whose backward runs), on the peak step's timeline (``_peak_with``). A ConvNeXt's
     stages and layers, each a unit under accelerate's plugin, peak inside the first stage's backward: every input
-    added at the peak read "14.13 -> 16.12 MiB", pasted 13.99."""
-    pm, mem = E.peak_memory(ctx), E.memory_units(ctx)
+    added at the peak read "14.13 -> 16.12 MiB", pasted 13.99. ``inside``: each outer unit's inner units;
+    ``inputs``: each inner unit's input bytes."""
+    pm = E.peak_memory(ctx)
     tl = pm.timeline if pm is not None else []
     held: dict[str, int] = {}
     for o in outer:
-        ins = [i for i in inner if S.strip_ckpt(i.modules[0]).startswith(S.strip_ckpt(o.modules[0]) + ".")]
+        ins = inside[o.name]
         key = o.name if E.phase_rows(tl or [], o.name, "backward_start") or not ins else ins[-1].name
-        held[key] = held.get(key, 0) + sum(int(mem[i.name].input_bytes) for i in ins)
+        held[key] = held.get(key, 0) + sum(inputs[i.name] for i in ins)
     return _peak_with(pm, held, order=[u.name for u in E.units(ctx)])
 
 
@@ -962,18 +964,19 @@ class AcNested(Rule):
         # outer unit's inner layers are most of its forward, which they run once more
         spared = sum(u.timing.recompute_ms / 2 if u.timing.recompute_ms > 0 else _recompute_ms(u)
                      for u in inner_units)
-        spared += sum(E.compute_fwd_ms(u) for u in outer_units
-                      if not any(S.strip_ckpt(i.modules[0]).startswith(S.strip_ckpt(u.modules[0]) + ".")
-                                 for i in inner_units))
+        inside = {o.name: [i for i in inner_units
+                           if S.strip_ckpt(i.modules[0]).startswith(S.strip_ckpt(o.modules[0]) + ".")]
+                  for o in outer_units}  # (each outer unit's inner units)
+        spared += sum(E.compute_fwd_ms(u) for u in outer_units if not inside[u.name])
         step, peak = E.step_ms(ctx), E.peak_bytes(ctx)
         mem = E.memory_units(ctx)
-        inputs = [int(mem[u.name].input_bytes) for u in inner_units
-                  if u.name in mem and mem[u.name].input_bytes is not UNSET]
+        inputs = {u.name: int(mem[u.name].input_bytes) for u in inner_units
+                  if u.name in mem and mem[u.name].input_bytes is not UNSET}
         # their inputs held at the peak where every inner layer is a unit whose inputs were counted; else not
-        held = sum(inputs) if inner_units and len(inputs) == len(inner) else None
+        held = sum(inputs.values()) if inner_units and len(inputs) == len(inner) else None
         peak_after = peak + held if peak is not None and held is not None else None
         if peak_after is not None and outer_units and len(outer_units) == len(outer):
-            peak_after = _peak_inputs_held(ctx, outer_units, inner_units)
+            peak_after = _peak_inputs_held(ctx, outer_units, inside, inputs)
         sev = "warning" if step and spared / step >= AC_RECOMPUTE_WARN_SHARE else "info"
         shown = E.fmt_list(inner[:4] + ([f"{len(inner) - 4} more"] if len(inner) > 4 else []))
         keeps = f"on the {len(outer)} layer(s) holding other checkpointed layers (each of those keeps its own)"
