@@ -252,6 +252,9 @@ def test_hf_trainer_fixes_are_trainer_callbacks_that_work(trainer_run):
         code = res["sync_unshard_fix"]
         assert "class DoctorFix(TrainerCallback)" in code and code.rstrip().endswith("trainer.add_callback(DoctorFix())")
         assert "_set_unshard_async_op(True)" in code, code
+        # in 80 columns as run (its class line's comment made it 105: the callback's indent is added after the rule
+        # wrote the fix at 80, and diagnose/code_width.py fits it again)
+        assert max(map(len, code.splitlines())) <= 80, code
         # its imports at the top of the file, under the note that says so (they were inside on_train_begin, below
         # "# imports: at the top of your file, not in a function": a new-user trial)
         head = code.split("class DoctorFix")[0]

@@ -8,7 +8,8 @@ from .base import NEEDS, RULES, SEVERITIES, Context, Finding, Need, Rule, regist
 from . import estimate as E
 from . import snippets as S
 from . import rules as _rules  # noqa: F401  (registers the rules)
-from ..report_sections import RuleStatus
+from .code_width import fit
+from ..report_sections import FIX_LANGUAGES, RuleStatus
 
 log = logging.getLogger("fsdp_doctor")
 # a quiet rule that did not say why (every rule says: tests/test_rules_catalogue.py checks it on real runs)
@@ -77,6 +78,9 @@ def diagnose(run, report, skipped: list[str] | None = None,
     if (recipe := E.torchtune_recipe(ctx)) is not None:  # ... and into a torchtune recipe's copy
         for f in out:
             S.for_torchtune(f.recommendation, recipe)
+    for f in out:  # every Python fix in 80 columns, whatever indented it last (code_width)
+        if f.recommendation.code and f.recommendation.where not in FIX_LANGUAGES:
+            f.recommendation.code = fit(f.recommendation.code)
     return sort_findings(out)
 
 
