@@ -89,3 +89,19 @@ def test_a_module_name_too_long_for_its_line_splits_at_a_dot_into_adjacent_strin
         "                             '_checkpoint_wrapped_module.layers.0'),",
         "                         model.get_submodule('convnext.encoder.stages.1')]"], out
     assert ast.dump(ast.parse(out)) == ast.dump(ast.parse(code))
+
+
+def test_a_comment_paragraph_flows_on_into_its_next_line():
+    """optim.unfused_step's fix under the Trainer: its two-line comment, indented by 8, left "# implementation," alone
+    on a line when only its first line was rewrapped."""
+    code = ("def on_train_begin(optimizer):\n"
+            "    for group in optimizer.param_groups:\n"
+            "        # after building the optimizer, before its first step: its fused implementation,\n"
+            "        # one kernel per update, no foreach intermediates\n"
+            "        group['foreach'], group['fused'] = False, True")
+    out = fit(code)
+    assert out.splitlines()[1:] == [
+        "    for group in optimizer.param_groups:",
+        "        # after building the optimizer, before its first step: its fused",
+        "        # implementation, one kernel per update, no foreach intermediates",
+        "        group['foreach'], group['fused'] = False, True"], out

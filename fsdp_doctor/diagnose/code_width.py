@@ -7,7 +7,8 @@ past it: a Phi-3 under the Trainer printed a 169-column comment in ``reshard.zer
 list, long module names), 1 of their 407 other fixes. ``fit`` breaks them where Python allows, from the code's own
 tokens, so no name is ever split, nor a string but into two adjacent ones:
 
-- a comment line is rewrapped at its indentation (``snippets.comment``);
+- a comment line is rewrapped at its indentation (``snippets.comment``), its paragraph (the comment lines after it at
+  that indentation) flowing on;
 - a comment after code goes on its own line(s) above that line, at its indentation;
 - code breaks after a comma inside brackets, continued under the bracket's first item (or, past half the width,
   four columns right of an earlier bracket's first item, or of the piece it continues); where no comma fits, a
@@ -52,11 +53,17 @@ def fit(code: str, width: int = WIDTH) -> str:
             stuck.add(lines[at])
             continue
         end = at + 1
-        # a list's item broken onto a line of its own flows on into the next line of the same list
-        if (len(new) > 1 and new[-1].endswith(",") and end < len(lines) and _depth_before(toks, end + 1) > 0
-                and _indent(lines[end]) == _indent(new[-1]) and not lines[end].lstrip().startswith("#")):
-            new[-1] += " " + lines[end].lstrip()
-            end += 1
+        if len(new) > 1 and end < len(lines) and _indent(lines[end]) == _indent(new[-1]):
+            last, nxt = new[-1].lstrip(), lines[end].lstrip()
+            # a comment's last words flow on into the next comment line, the paragraph's ("# its fused" then
+            # "# implementation," and "# one kernel per update": optim.unfused_step's under the Trainer)
+            if last.startswith("#") and nxt.startswith("#"):
+                new[-1] += " " + nxt.lstrip("#").strip()
+                end += 1
+            # a list's item broken onto a line of its own flows on into the next line of the same list
+            elif last.endswith(",") and not nxt.startswith("#") and _depth_before(toks, end + 1) > 0:
+                new[-1] += " " + nxt
+                end += 1
         lines[at:end] = new
     fitted = "\n".join(lines)
     try:
