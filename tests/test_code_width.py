@@ -13,7 +13,7 @@ TRAINER_FIX = '''from transformers import TrainerCallback
 class DoctorFix(TrainerCallback):  # runs once the Trainer has sharded the model and built the optimizer
     def on_train_begin(self, args, state, control, model=None,
                        optimizer=None, **kwargs):
-        # (accelerate's plugin's reshard_after_forward is all or none: every unit's before 1.14; from 1.14 on it keeps the root and the [final norm, output head] unit gathered)
+        {LONG}
         names = ['model.layers.2', 'model.layers.5', 'model.layers.1', 'model.layers.0',
                  'model.layers.4', 'model.layers.3', 'model.embed_tokens']
         x = print(1, "a, b, c # not a comment, really", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], max(min(1, 2), 3), 4)
@@ -21,7 +21,9 @@ class DoctorFix(TrainerCallback):  # runs once the Trainer has sharded the model
             model.get_submodule(name).set_reshard_after_forward(False, recurse=False)
 
 
-trainer.add_callback(DoctorFix())'''
+trainer.add_callback(DoctorFix())'''.replace("{LONG}", "# (accelerate's plugin's reshard_after_forward is all or none: "
+                                              "every unit's before 1.14; from 1.14 on it keeps the root and the "
+                                              "[final norm, output head] unit gathered)")
 
 
 def _words(code: str) -> list[str]:

@@ -6,8 +6,11 @@ trial read only torch's words, from the traceback and from ``fsdp-doctor analyze
 its unit and the caller from the traceback, with the fix (the module a unit of its own), in a warning at the exit and
 in the analysis' line.
 
-Run as a user would: 2 gloo ranks, a DiT-shaped model; the printed fix pasted before the blocks' fully_shard calls,
-the run trains, and its losses are those of the unsharded model on the same data."""
+So too a method of a unit's module called in place of its forward (a diffusers AutoencoderKL trained with
+``model.encode(x)`` then ``model.decode(z)``): the method, the module that raised and register_fsdp_forward_method.
+
+Run as a user would: 2 gloo ranks, a DiT-shaped and a VAE-shaped model; the printed fix pasted where it says, the run
+trains, and its losses are those of the unsharded model on the same data."""
 
 from __future__ import annotations
 
@@ -62,45 +65,85 @@ _MODEL = textwrap.dedent(
     def batches(n):
         g = torch.Generator().manual_seed(0)  # the same batches on every rank and in the reference
         return [(torch.randn(2, 8, 4, generator=g), torch.randn(2, 16, generator=g)) for _ in range(n)]
+
+    def loss_of(model, x, t):
+        return F.mse_loss(model(x, t), x)
     """
 )
 
-_SCRIPT = _MODEL + textwrap.dedent(
-    """
-    import json
-    import os
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-    """
-) + gloo_worker(
-    """
+
+def _script(model: str, setup: str) -> str:
+    """A TWO_RANKS script training ``model``'s source (its batches and loss_of) 4 steps under the doctor, the model
+    built and sharded by ``setup`` (``fix``: the printed fix to paste), each rank's exception printed."""
+    return model + textwrap.dedent(
+        """
+        import json
+        import os
+        import torch.distributed as dist
+        from torch.distributed.fsdp import fully_shard
+        """
+    ) + gloo_worker(textwrap.dedent(setup) + textwrap.dedent(
+        """
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        try:
+            with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
+                for batch in batches(4):
+                    loss = loss_of(model, *batch)
+                    loss.backward()
+                    opt.step(), opt.zero_grad(), doc.step()
+                    losses.append(loss.item())
+        except RuntimeError as e:
+            print(f"rank {rank} raised: {e}", flush=True)
+        if rank == 0:
+            open(out + ".losses", "w").write(json.dumps(losses))
+        # (every rank done before rank 0's process, which holds the job's store, ends: rank 0's loop raising at once
+        # left rank 1's watch() reading rank 0's run id from a store gone, its records not written)
+        dist.barrier()
+        dist.destroy_process_group()
+        """))
+
+
+def _unsharded_losses(model: str, cls: str) -> list[float]:
+    """The losses of ``model``'s source, unsharded in this process, on the same batches."""
+    import torch
+
+    scope: dict = {}
+    exec(model, scope)
+    torch.manual_seed(0)
+    ref = scope[cls]()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    want = []
+    for batch in scope["batches"](4):
+        loss = scope["loss_of"](ref, *batch)
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        want.append(loss.item())
+    return want
+
+
+def _analyzed(run) -> str:
+    """``fsdp-doctor analyze``'s one line on a run that raised before its first step."""
+    a = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "analyze", str(run)],
+                       env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)}, capture_output=True, text=True)
+    line = a.stdout + a.stderr
+    assert a.returncode != 0 and len(line.strip().splitlines()) == 1 and "Traceback" not in line, line
+    return line
+
+
+_SCRIPT = _script(_MODEL, """
     model = DiT()
     if fix:
         exec(fix, {"model": model, "fully_shard": fully_shard})  # before the blocks, as printed
     for blk in model.transformer_blocks:
         fully_shard(blk)
     fully_shard(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    try:
-        with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
-            for x, t in batches(4):
-                loss = F.mse_loss(model(x, t), x)
-                loss.backward()
-                opt.step(), opt.zero_grad(), doc.step()
-                losses.append(loss.item())
-    except RuntimeError as e:
-        print(f"rank {rank} raised: {e}", flush=True)
-    if rank == 0:
-        open(out + ".losses", "w").write(json.dumps(losses))
-    dist.destroy_process_group()
-    """
-)
+    """)
 
 
-def _run(tmp_path, name: str, fix: str = "") -> subprocess.CompletedProcess:
+def _run(tmp_path, name: str, fix: str = "", script: str = _SCRIPT) -> subprocess.CompletedProcess:
     path = tmp_path / "dit.py"
-    path.write_text(_SCRIPT + TWO_RANKS.replace('sys.argv[2] if len(sys.argv) > 2 else ""',
+    path.write_text(script + TWO_RANKS.replace('sys.argv[2] if len(sys.argv) > 2 else ""',
                                                 'open(sys.argv[2]).read() if len(sys.argv) > 2 else ""'))
     env = {**os.environ, "PYTHONPATH": child_pythonpath(REPO), "OMP_NUM_THREADS": "1"}
     args = [sys.executable, str(path), str(tmp_path / name)]
@@ -114,9 +157,6 @@ def _run(tmp_path, name: str, fix: str = "") -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_blocks_module_called_from_the_root_is_named_with_its_fix(tmp_path):
-    import torch
-    import torch.nn.functional as F
-
     r = _run(tmp_path, "broken")
     assert "got mixed torch.Tensor and DTensor" in r.stdout, r.stdout
     said = ("transformer_blocks.0.norm1.emb, inside FSDP unit transformer_blocks.0, was called from the root's "
@@ -124,10 +164,7 @@ def test_a_blocks_module_called_from_the_root_is_named_with_its_fix(tmp_path):
             "of its own, fully_shard(model.get_submodule('transformer_blocks.0.norm1.emb')) before your "
             "fully_shard(...) of transformer_blocks.0")
     assert f"fsdp_doctor: {said}" in r.stderr, r.stderr[-3000:]  # at the exit, under the user's traceback
-    a = subprocess.run([sys.executable, "-m", "fsdp_doctor.cli", "analyze", str(tmp_path / "broken")],
-                       env={**os.environ, "PYTHONPATH": child_pythonpath(REPO)}, capture_output=True, text=True)
-    line = a.stdout + a.stderr
-    assert a.returncode != 0 and len(line.strip().splitlines()) == 1 and "Traceback" not in line, line
+    line = _analyzed(tmp_path / "broken")
     assert "before its first doctor.step(), so no step was recorded: RuntimeError: aten.addmm" in line, line
     assert said in line, line
 
@@ -136,19 +173,82 @@ def test_a_blocks_module_called_from_the_root_is_named_with_its_fix(tmp_path):
     assert "raised" not in fixed.stdout, fixed.stdout
     losses = json.loads((tmp_path / "fixed.losses").read_text())
     # the unsharded model on the same batches: the nested unit, called twice a step, trains as the plain module does
-    scope: dict = {}
-    exec(_MODEL, scope)
-    torch.manual_seed(0)
-    ref = scope["DiT"]()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    want = []
-    for x, t in scope["batches"](4):
-        loss = F.mse_loss(ref(x, t), x)
-        loss.backward()
-        opt.step(), opt.zero_grad()
-        want.append(loss.item())
-    assert losses == pytest.approx(want, rel=1e-5), (losses, want)
+    want = _unsharded_losses(_MODEL, "DiT")
+    assert len(losses) == 4 and losses == pytest.approx(want, rel=1e-5), (losses, want)
     import fsdp_doctor
 
     rep = fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / "fixed"))
     assert "transformer_blocks.0.norm1.emb" in {u.name for u in rep.units}
+
+
+# a diffusers AutoencoderKL's shape: trained with encode() then decode(), never its forward; its blocks units, the
+# root holding the layers around them
+_VAE = textwrap.dedent(
+    """
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    class VAE(nn.Module):
+        def __init__(self, d=16):
+            super().__init__()
+            self.enc_in, self.to_latent = nn.Linear(4, d), nn.Linear(d, 2)
+            self.enc_blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+            self.dec_in, self.dec_out = nn.Linear(2, d), nn.Linear(d, 4)
+            self.dec_blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
+
+        def encode(self, x):
+            h = self.enc_in(x)
+            for blk in self.enc_blocks:
+                h = h + torch.tanh(blk(h))
+            return self.to_latent(h)
+
+        def decode(self, z):
+            h = self.dec_in(z)
+            for blk in self.dec_blocks:
+                h = h + torch.tanh(blk(h))
+            return self.dec_out(h)
+
+        def forward(self, x):
+            return self.decode(self.encode(x))
+
+    def batches(n):
+        g = torch.Generator().manual_seed(0)  # the same batches on every rank and in the reference
+        return [(torch.randn(2, 8, 4, generator=g),) for _ in range(n)]
+
+    def loss_of(model, x):
+        return F.mse_loss(model.decode(model.encode(x)), x)
+    """
+)
+
+_VAE_SCRIPT = _script(_VAE, """
+    model = VAE()
+    for blk in [*model.enc_blocks, *model.dec_blocks]:
+        fully_shard(blk)
+    fully_shard(model)
+    if fix:
+        exec(fix, {"model": model})  # after the fully_shard calls, as printed
+    """)
+
+
+@pytest.mark.slow
+def test_a_method_called_in_place_of_forward_is_named_with_its_fix(tmp_path):
+    """The root's encode() runs its own enc_in without FSDP2's pre-forward: named, with register_fsdp_forward_method
+    for encode() alone, which pasted trains as the unsharded model does (decode() then finds the root gathered)."""
+    r = _run(tmp_path, "broken", script=_VAE_SCRIPT)
+    assert "got mixed torch.Tensor and DTensor" in r.stdout, r.stdout
+    said = ("model.encode() was called in place of its forward, and FSDP2 gathers the root unit's parameters for "
+            "its forward only: enc_in ran with them sharded. After your fully_shard calls, "
+            "register_fsdp_forward_method(model, 'encode') (from torch.distributed.fsdp) gathers them for encode() "
+            "too (that method alone: the root stays gathered for the calls after it in the step)")
+    assert f"fsdp_doctor: {said}" in r.stderr, r.stderr[-3000:]
+    line = _analyzed(tmp_path / "broken")
+    assert said in line, line
+
+    fix = ("from torch.distributed.fsdp import register_fsdp_forward_method\n"
+           + re.search(r"register_fsdp_forward_method\(model, '\w+'\)", line).group(0))
+    fixed = _run(tmp_path, "fixed", fix, script=_VAE_SCRIPT)
+    assert "raised" not in fixed.stdout, fixed.stdout
+    losses = json.loads((tmp_path / "fixed.losses").read_text())
+    want = _unsharded_losses(_VAE, "VAE")
+    assert len(losses) == 4 and losses == pytest.approx(want, rel=1e-5), (losses, want)

@@ -1315,3 +1315,24 @@ def test_a_rank_waits_for_rank_0s_value_a_bounded_time(gloo_one_rank, monkeypatc
     assert RD.share_from_rank0(0, None)({"run_id": "abc"}) == {"run_id": "abc"}
     with pytest.raises(TimeoutError, match=r"rank 0 did not enter watch\(\) within 0 s \(watch\(\) on some ranks only"):
         RD.share_from_rank0(1, None)({"run_id": None})
+
+
+def test_a_rank_whose_store_is_gone_says_so_at_once(gloo_one_rank, monkeypatch):
+    """A store that fails at once is no timeout: rank 0's loop raised at its first forward and its process ended,
+    taking the store it held (torch.multiprocessing.spawn's rank 0 holds it), while rank 1 still read it. Its line
+    said "rank 0 did not enter watch() within 300 s" at once (a new-user trial's VAE); it names the store now."""
+    from torch.distributed import DistNetworkError
+    from torch.distributed import distributed_c10d as c10d
+
+    from fsdp_doctor.record import run_device as RD
+
+    class Gone:  # the store's server ended with rank 0's process
+        def wait(self, keys, timeout):
+            raise DistNetworkError("failed to recv, got 0 bytes\nException raised from recvBytes")
+
+    monkeypatch.setattr(c10d, "_get_default_store", lambda: Gone())
+    with pytest.raises(ConnectionError) as e:
+        RD.share_from_rank0(1, None)({"run_id": None})
+    assert str(e.value) == ("the job's store could not be read (DistNetworkError: failed to recv, got 0 bytes): the "
+                            "process holding it (rank 0's, where torch.multiprocessing.spawn started the job) may "
+                            "have ended first"), e.value

@@ -13,6 +13,7 @@ import datetime
 import itertools
 import os
 import pickle
+import time
 from typing import Callable, Iterable, Optional
 
 import torch
@@ -98,9 +99,18 @@ def share_from_rank0(rank: int, ranks: Optional[list[int]]) -> Callable:
         if rank == 0:
             store.set(key, pickle.dumps(value))
             return value
+        began = time.monotonic()
         try:
             store.wait([key], datetime.timedelta(seconds=LEAD_WAIT_S))
         except Exception as e:  # noqa: BLE001  (c10d's timeout error; its type differs across torch releases)
+            if time.monotonic() - began < LEAD_WAIT_S / 2:  # not the wait's timeout: the store itself failed
+                # (rank 0's loop raised at once and its process ended, taking the store it held, as
+                # torch.multiprocessing.spawn's rank 0 does: "did not enter watch() within 300 s" was said at once,
+                # a new-user trial's VAE)
+                why = (str(e).strip().splitlines() or [""])[0][:200]
+                raise ConnectionError(f"the job's store could not be read ({type(e).__name__}: {why}): the process "
+                                      "holding it (rank 0's, where torch.multiprocessing.spawn started the job) may "
+                                      "have ended first") from None
             raise TimeoutError(f"rank 0 did not enter watch() within {LEAD_WAIT_S:.0f} s (watch() on some ranks "
                                f"only?): {type(e).__name__}") from None
         return pickle.loads(store.get(key))

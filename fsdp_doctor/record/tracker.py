@@ -66,7 +66,8 @@ from .torchtune import Recipe, torchtune_recipe
 from .throughput import FlopCounter
 from . import fsdp2 as F2
 from .hooks import StepTimer, _ms
-from .units import MIXED_DTENSOR, Unit, compile_blocker, find_units, naming_root, outside_unit_call, unmanaged_params
+from .units import (MIXED_DTENSOR, Unit, compile_blocker, find_units, method_call, naming_root, outside_unit_call,
+                    unmanaged_params)
 
 log = logging.getLogger("fsdp_doctor")
 _WATCHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
@@ -302,7 +303,8 @@ class Doctor:
                     hint = ""
                     if exc_type is not None and MIXED_DTENSOR in str(exc):
                         try:  # (a module of a unit called outside its unit's forward: which, and the fix)
-                            hint = outside_unit_call(self._units, naming_root(self.model), tb)
+                            hint = (outside_unit_call(self._units, naming_root(self.model), tb)
+                                    or method_call(self._units, naming_root(self.model), tb))
                         except Exception:  # noqa: BLE001 - the user's exception goes on unexplained
                             hint = ""
                         if hint and self.rank == 0:

@@ -120,6 +120,53 @@ def outside_unit_call(units: list[Unit], root: nn.Module, tb) -> str:
             "FSDP2 gathers it wherever it runs")
 
 
+def method_call(units: list[Unit], root: nn.Module, tb) -> str:
+    """Where a traceback (``tb``, the loop's exception) passes through a method of a unit's module other than its
+    forward, which ran the unit's own modules without FSDP2's pre-forward (a diffusers AutoencoderKL trained with
+    ``model.encode(x)`` then ``model.decode(z)``, its blocks units: the root's ``encoder.conv_in`` raised
+    "aten.convolution got mixed torch.Tensor and DTensor", a new-user trial), one sentence naming the method, the
+    module that raised and the fix, ``register_fsdp_forward_method``; "" where it does not. The outermost such
+    method is the one the loop called (a decorator's wrapper, a name not of the module's class, is passed over; a
+    LightningModule's training_step, a loop's step, is no forward method: not this case). The root is not
+    resharded after forward, so the one method a step calls first is enough for it, and the fix says so: that VAE
+    with ``decode`` registered too failed in backward ("setStorage: ... storage of size 0", with or without the
+    doctor; its KL term reads ``encode``'s output beside ``decode``), where tests/test_outside_unit_call.py's plain
+    two-method model trains either way."""
+    unit_of = {id(m): u for u in units for m in u.modules}
+    fqn = {id(m): n for n, m in root.named_modules()}
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    mods = [(f.f_code.co_name, me) for f in frames
+            if isinstance(me := f.f_locals.get("self"), nn.Module) and id(me) in fqn]
+    for i, (name, me) in enumerate(mods):
+        if id(me) not in unit_of:
+            continue
+        if name == "forward" or name in F2.registered_forward_methods(me):  # FSDP2 gathered it
+            return ""
+        if name.startswith("_") or not callable(getattr(type(me), name, None)):
+            continue
+        if name.endswith("_step"):
+            return ""
+        unit, callee = unit_of[id(me)], fqn[id(mods[-1][1])]
+        # the module that raised is the unit's own, not inside a unit of its own nested in it
+        owner = max((u for u in units for n in u.module_names if not n or callee == n or callee.startswith(n + ".")),
+                    key=lambda u: u.depth, default=None)
+        if owner is not unit or any(n == "forward" for n, m in mods[i + 1:] if id(m) in unit_of):
+            return ""
+        where = fqn[id(me)]
+        expr = "model" if not where else f"model.get_submodule({where!r})"
+        whose = "the root unit's" if not unit.name else f"FSDP unit {unit.name}'s"
+        return (f"{expr}.{name}() was called in place of its forward, and FSDP2 gathers {whose} parameters for its "
+                f"forward only: {callee or 'the root'} ran with them "
+                f"sharded. After your fully_shard calls, register_fsdp_forward_method({expr}, {name!r}) (from "
+                f"torch.distributed.fsdp) gathers them for {name}() too"
+                + (" (that method alone: the root stays gathered for the calls after it in the step)"
+                   if unit.name == "" else ""))
+    return ""
+
+
 def find_units(model: nn.Module) -> list[Unit]:
     """All FSDP units under ``model`` (itself included), in module order; grouped units appear once; named from
     ``naming_root(model)``."""
