@@ -181,27 +181,40 @@ def test_a_blocks_module_called_from_the_root_is_named_with_its_fix(tmp_path):
     assert "transformer_blocks.0.norm1.emb" in {u.name for u in rep.units}
 
 
-# a diffusers AutoencoderKL's shape: trained with encode() then decode(), never its forward; its blocks units, the
-# root holding the layers around them
+# a diffusers AutoencoderKL's shape: trained with encode() then decode(), never its forward; encode() returns an object
+# holding a distribution, built from _encode()'s tensor; the whole model one unit
 _VAE = textwrap.dedent(
     """
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
 
+    class Posterior:  # diffusers' DiagonalGaussianDistribution
+        def __init__(self, moments):
+            self.mean, self.logvar = moments.chunk(2, dim=-1)
+
+        def sample(self, noise):
+            return self.mean + torch.exp(0.5 * self.logvar) * noise
+
+        def kl(self):
+            return 0.5 * (self.mean ** 2 + self.logvar.exp() - 1 - self.logvar).sum(-1)
+
     class VAE(nn.Module):
         def __init__(self, d=16):
             super().__init__()
-            self.enc_in, self.to_latent = nn.Linear(4, d), nn.Linear(d, 2)
+            self.enc_in, self.to_moments = nn.Linear(4, d), nn.Linear(d, 4)
             self.enc_blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
             self.dec_in, self.dec_out = nn.Linear(2, d), nn.Linear(d, 4)
             self.dec_blocks = nn.ModuleList(nn.Linear(d, d) for _ in range(2))
 
-        def encode(self, x):
+        def _encode(self, x):
             h = self.enc_in(x)
             for blk in self.enc_blocks:
                 h = h + torch.tanh(blk(h))
-            return self.to_latent(h)
+            return self.to_moments(h)
+
+        def encode(self, x):
+            return Posterior(self._encode(x))
 
         def decode(self, z):
             h = self.dec_in(z)
@@ -209,22 +222,21 @@ _VAE = textwrap.dedent(
                 h = h + torch.tanh(blk(h))
             return self.dec_out(h)
 
-        def forward(self, x):
-            return self.decode(self.encode(x))
+        def forward(self, x, noise):
+            return self.decode(self.encode(x).sample(noise))
 
     def batches(n):
         g = torch.Generator().manual_seed(0)  # the same batches on every rank and in the reference
-        return [(torch.randn(2, 8, 4, generator=g),) for _ in range(n)]
+        return [(torch.randn(2, 8, 4, generator=g), torch.randn(2, 8, 2, generator=g)) for _ in range(n)]
 
-    def loss_of(model, x):
-        return F.mse_loss(model.decode(model.encode(x)), x)
+    def loss_of(model, x, noise):
+        post = model.encode(x)
+        return F.mse_loss(model.decode(post.sample(noise)), x) + 1e-3 * post.kl().mean()
     """
 )
 
 _VAE_SCRIPT = _script(_VAE, """
     model = VAE()
-    for blk in [*model.enc_blocks, *model.dec_blocks]:
-        fully_shard(blk)
     fully_shard(model)
     if fix:
         exec(fix, {"model": model})  # after the fully_shard calls, as printed
@@ -233,14 +245,17 @@ _VAE_SCRIPT = _script(_VAE, """
 
 @pytest.mark.slow
 def test_a_method_called_in_place_of_forward_is_named_with_its_fix(tmp_path):
-    """The root's encode() runs its own enc_in without FSDP2's pre-forward: named, with register_fsdp_forward_method
-    for encode() alone, which pasted trains as the unsharded model does (decode() then finds the root gathered)."""
+    """The root's encode() runs its own enc_in, through _encode(), without FSDP2's pre-forward: named, with
+    register_fsdp_forward_method for _encode(), which pasted trains as the unsharded model does (decode() then finds
+    the root gathered). encode() registered instead trains nothing: it returns no tensor for FSDP2's backward hooks,
+    so the gradients never leave the gathered parameters (its losses would differ here)."""
     r = _run(tmp_path, "broken", script=_VAE_SCRIPT)
     assert "got mixed torch.Tensor and DTensor" in r.stdout, r.stdout
-    said = ("model.encode() was called in place of its forward, and FSDP2 gathers the root unit's parameters for "
-            "its forward only: enc_in ran with them sharded. After your fully_shard calls, "
-            "register_fsdp_forward_method(model, 'encode') (from torch.distributed.fsdp) gathers them for encode() "
-            "too (that method alone: the root stays gathered for the calls after it in the step)")
+    said = ("model.encode() calls model._encode(), which ran the root unit's modules (enc_in raised) outside its "
+            "forward, where FSDP2 gathers their parameters. After your fully_shard calls, "
+            "register_fsdp_forward_method(model, '_encode') (from torch.distributed.fsdp) gathers them for _encode() "
+            "too (the innermost: FSDP2 hooks its backward to the tensors the method returns, and the root stays "
+            "gathered for the calls after it)")
     assert f"fsdp_doctor: {said}" in r.stderr, r.stderr[-3000:]
     line = _analyzed(tmp_path / "broken")
     assert said in line, line

@@ -123,15 +123,19 @@ def outside_unit_call(units: list[Unit], root: nn.Module, tb) -> str:
 def method_call(units: list[Unit], root: nn.Module, tb) -> str:
     """Where a traceback (``tb``, the loop's exception) passes through a method of a unit's module other than its
     forward, which ran the unit's own modules without FSDP2's pre-forward (a diffusers AutoencoderKL trained with
-    ``model.encode(x)`` then ``model.decode(z)``, its blocks units: the root's ``encoder.conv_in`` raised
-    "aten.convolution got mixed torch.Tensor and DTensor", a new-user trial), one sentence naming the method, the
-    module that raised and the fix, ``register_fsdp_forward_method``; "" where it does not. The outermost such
-    method is the one the loop called (a decorator's wrapper, a name not of the module's class, is passed over; a
-    LightningModule's training_step, a loop's step, is no forward method: not this case). The root is not
-    resharded after forward, so the one method a step calls first is enough for it, and the fix says so: that VAE
-    with ``decode`` registered too failed in backward ("setStorage: ... storage of size 0", with or without the
-    doctor; its KL term reads ``encode``'s output beside ``decode``), where tests/test_outside_unit_call.py's plain
-    two-method model trains either way."""
+    ``model.encode(x)`` then ``model.decode(z)``: the root's ``encoder.conv_in`` raised "aten.convolution got mixed
+    torch.Tensor and DTensor", a new-user trial), one sentence naming the method, the module that raised and the fix,
+    ``register_fsdp_forward_method``; "" where it does not.
+
+    Which method: FSDP2 hooks a registered method's backward to the tensors it returns. The VAE's ``encode`` returns
+    an object holding a distribution, so with ``encode`` registered FSDP2's backward never ran for the root: with the
+    whole model one unit nothing trained (its gradients stayed on the gathered parameters), and with ``decode``
+    registered too, ``decode``'s post-backward resharded the root before ``encode``'s backward ("setStorage: ...
+    storage of size 0"). ``_encode``, which ``encode`` calls, returns the tensor: registered, the VAE trains as a
+    whole unit or with its blocks units. So for the root, which stays gathered after it for the rest of the step, the
+    innermost method of its module on the traceback; for another unit, resharded after each, the outermost, the one
+    the loop called. Passed over: a decorator's wrapper (a name not of the module's class), nn.Module's own methods,
+    a LightningModule's training_step (a loop's step: then no sentence)."""
     unit_of = {id(m): u for u in units for m in u.modules}
     fqn = {id(m): n for n, m in root.named_modules()}
     frames = []
@@ -140,31 +144,38 @@ def method_call(units: list[Unit], root: nn.Module, tb) -> str:
         tb = tb.tb_next
     mods = [(f.f_code.co_name, me) for f in frames
             if isinstance(me := f.f_locals.get("self"), nn.Module) and id(me) in fqn]
-    for i, (name, me) in enumerate(mods):
-        if id(me) not in unit_of:
+    first = next((i for i, (_, me) in enumerate(mods) if id(me) in unit_of), None)
+    if first is None:
+        return ""
+    me = mods[first][1]
+    own = []  # (position, name): the unit module's methods on the traceback, outermost first
+    for i, (name, m) in enumerate(mods):
+        if m is not me:
+            if id(m) in unit_of:  # another unit's frame inside: not this case
+                return ""
             continue
-        if name == "forward" or name in F2.registered_forward_methods(me):  # FSDP2 gathered it
+        if name == "forward" or name in F2.registered_forward_methods(me) or name.endswith("_step"):
             return ""
-        if name.startswith("_") or not callable(getattr(type(me), name, None)):
-            continue
-        if name.endswith("_step"):
-            return ""
-        unit, callee = unit_of[id(me)], fqn[id(mods[-1][1])]
-        # the module that raised is the unit's own, not inside a unit of its own nested in it
-        owner = max((u for u in units for n in u.module_names if not n or callee == n or callee.startswith(n + ".")),
-                    key=lambda u: u.depth, default=None)
-        if owner is not unit or any(n == "forward" for n, m in mods[i + 1:] if id(m) in unit_of):
-            return ""
-        where = fqn[id(me)]
-        expr = "model" if not where else f"model.get_submodule({where!r})"
-        whose = "the root unit's" if not unit.name else f"FSDP unit {unit.name}'s"
-        return (f"{expr}.{name}() was called in place of its forward, and FSDP2 gathers {whose} parameters for its "
-                f"forward only: {callee or 'the root'} ran with them "
-                f"sharded. After your fully_shard calls, register_fsdp_forward_method({expr}, {name!r}) (from "
-                f"torch.distributed.fsdp) gathers them for {name}() too"
-                + (" (that method alone: the root stays gathered for the calls after it in the step)"
-                   if unit.name == "" else ""))
-    return ""
+        if callable(getattr(type(me), name, None)) and not hasattr(nn.Module, name):
+            own.append((i, name))
+    unit, callee = unit_of[id(me)], fqn[id(mods[-1][1])]
+    # the module that raised is the unit's own, not inside a unit of its own nested in it
+    owner = max((u for u in units for n in u.module_names if not n or callee == n or callee.startswith(n + ".")),
+                key=lambda u: u.depth, default=None)
+    if not own or owner is not unit:
+        return ""
+    public = [n for _, n in own if not n.startswith("_")]
+    name = own[-1][1] if not unit.name else (public or [own[-1][1]])[0]
+    where = fqn[id(me)]
+    expr = "model" if not where else f"model.get_submodule({where!r})"
+    called = public[0] if public and public[0] != name else None
+    whose = "the root unit's" if not unit.name else f"FSDP unit {unit.name}'s"
+    return ((f"{expr}.{called}() calls {expr}.{name}(), which" if called else f"{expr}.{name}()")
+            + f" ran {whose} modules ({callee or 'the root'} raised) outside its forward, where FSDP2 gathers their "
+            f"parameters. After your fully_shard calls, register_fsdp_forward_method({expr}, {name!r}) (from "
+            f"torch.distributed.fsdp) gathers them for {name}() too"
+            + (" (the innermost: FSDP2 hooks its backward to the tensors the method returns, and the root stays "
+               "gathered for the calls after it)" if not unit.name else ""))
 
 
 def find_units(model: nn.Module) -> list[Unit]:
