@@ -72,7 +72,7 @@ _MODEL = textwrap.dedent(
 )
 
 
-def _script(model: str, setup: str) -> str:
+def _script(model: str, setup: str, optimizer: str = "torch.optim.SGD(model.parameters(), lr=0.1)") -> str:
     """A TWO_RANKS script training ``model``'s source (its batches and loss_of) 4 steps under the doctor, the model
     built and sharded by ``setup`` (``fix``: the printed fix to paste), each rank's exception printed."""
     return model + textwrap.dedent(
@@ -84,7 +84,7 @@ def _script(model: str, setup: str) -> str:
         """
     ) + gloo_worker(textwrap.dedent(setup) + textwrap.dedent(
         """
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        opt = OPTIMIZER
         losses = []
         try:
             with fsdp_doctor.watch(model, opt, out_dir=out, profile=False) as doc:
@@ -101,7 +101,7 @@ def _script(model: str, setup: str) -> str:
         # left rank 1's watch() reading rank 0's run id from a store gone, its records not written)
         dist.barrier()
         dist.destroy_process_group()
-        """))
+        """).replace("OPTIMIZER", optimizer))
 
 
 def _unsharded_losses(model: str, cls: str) -> list[float]:
@@ -267,3 +267,28 @@ def test_a_method_called_in_place_of_forward_is_named_with_its_fix(tmp_path):
     losses = json.loads((tmp_path / "fixed.losses").read_text())
     want = _unsharded_losses(_VAE, "VAE")
     assert len(losses) == 4 and losses == pytest.approx(want, rel=1e-5), (losses, want)
+
+
+@pytest.mark.slow
+def test_the_outer_method_registered_trains_nothing_and_the_diagnosis_says_why(tmp_path):
+    """encode() registered instead (it returns an object, no tensor for FSDP2's backward hooks), the whole model one
+    unit, AdamW: FSDP2's post-backward never runs, the gradients stay on the gathered parameters and nothing trains.
+    optim.no_gradients says so, naming the registered method and the one to register; memory.grads_kept stays quiet
+    (it read the unreduced gradients as "zeroed in place instead of freed")."""
+    import fsdp_doctor
+
+    script = _script(_VAE, """
+        model = VAE()
+        fully_shard(model)
+        exec(fix, {"model": model})
+        """, optimizer="torch.optim.AdamW(model.parameters(), lr=1e-3)")
+    _run(tmp_path, "outer", "from torch.distributed.fsdp import register_fsdp_forward_method\n"
+                            "register_fsdp_forward_method(model, 'encode')", script=script)
+    rep = fsdp_doctor.build_report(fsdp_doctor.load_run(tmp_path / "outer"))
+    found = {f.code: f for f in rep.findings}
+    f = found["optim.no_gradients"]
+    assert f.evidence["unsharded_grads_held_bytes"] > 0, f.evidence
+    assert "FSDP2's post-backward, which reduce-scatters them into the sharded parameters the optimizer steps, never " \
+           "ran" in f.recommendation.text, f.recommendation.text
+    assert "encode() of the model ran as forward (register_fsdp_forward_method)" in f.recommendation.text
+    assert "memory.grads_kept" not in found, found["memory.grads_kept"].recommendation.text

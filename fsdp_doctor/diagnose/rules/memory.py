@@ -47,7 +47,11 @@ class GradsKept(Rule):
         # what the step starts with, before its first forward: gradients there survived the last step; those of
         # trainable parameters outside the optimizer, which its zero_grad never frees, are optim.untrained_params'
         # (and unsharded ones where FSDP's gradient sync is off: never reduced, optim.no_gradients')
-        off = bool(getattr(ctx.config, "gradient_sync_off", None))
+        # (also where the optimizer holds no state after three steps: FSDP2's post-backward never ran, the gradients
+        # never left the gathered parameters, which "zeroed in place instead of freed" misnamed: a new-user trial's
+        # VAE with encode() registered as its forward method)
+        off = bool(getattr(ctx.config, "gradient_sync_off", None)) or getattr(ctx.config, "optimizer_state_tensors",
+                                                                              None) == 0
         kept = sum(int(first.get(k) or 0) for k in _GRADS if not (off and k == "unsharded_grads"))
         ut = getattr(ctx.config, "untrained", None)
         outside = int(ut.grad_bytes) if ut is not None and ut.tensors and ut.changed is False else 0

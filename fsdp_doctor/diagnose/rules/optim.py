@@ -14,7 +14,7 @@ from .. import estimate as E
 from .. import snippets as S
 from .. import thresholds as T
 from ..base import Context, Rule, register
-from ...units import fmt_bytes, fmt_share
+from ...units import fmt_bytes, fmt_share, unit_label
 
 # Collectives that no FSDP unit issued are worth a look above this share of the step ...
 OTHER_COMM_INFO_SHARE = 0.02
@@ -827,6 +827,22 @@ class NoGradients(Rule):
                     " is the last): reduce-scatter the gradients into the sharded parameters on the last one\n"
                     "model.set_requires_gradient_sync(is_last_micro_batch)")
             where, inputs = "loop", {"is_last_micro_batch": "True on the last micro-batch of an optimizer step"}
+        elif held:  # never reduced, with the sync on: FSDP2's post-backward never ran
+            methods = [(u.name, m) for u in E.units(ctx) for m in (getattr(u, "forward_methods", None) or [])]
+            text += (f" The gradients stay on the gathered parameters ({fmt_bytes(held)} held when a step starts): "
+                     "FSDP2's post-backward, which reduce-scatters them into the sharded parameters the optimizer "
+                     "steps, never ran. FSDP2 runs it from hooks on the tensors a unit's forward returns")
+            if methods:
+                shown = E.fmt_list([f"{m}() of {'the model' if not n else unit_label(n)}" for n, m in methods], 4)
+                text += (f", and {shown} ran as forward (register_fsdp_forward_method): a method that returns an "
+                         "object FSDP2 cannot read into tensors (diffusers' AutoencoderKL.encode returns a "
+                         "distribution) gives them nothing to hook. Register the method it calls that returns the "
+                         "tensor instead (the VAE's _encode), or shard its blocks as units of their own (their "
+                         "backward then runs the root's post-backward at the end).")
+            else:
+                text += (": an output the loss is not computed from, or one returned as an object FSDP2 cannot read "
+                         "into tensors, gives them nothing to hook.")
+            code, where, inputs = "", "", {}
         else:
             text += (" Look for what clears or detaches the gradients between the backward and optimizer.step() "
                      "(a zero_grad there, a no_grad or detached forward, parameters replaced after the optimizer was "
