@@ -835,7 +835,8 @@ class End(Record, tag="end"):
     exception: str = ""
     # where that exception is torch's "mixed torch.Tensor and DTensor" raised in a module of an FSDP unit that another
     # unit's forward called, outside its own unit's forward (DiT's root calls transformer_blocks[0].norm1.emb): which
-    # module, called from where, and the fix (record/units.outside_unit_call); "" otherwise
+    # module, called from where, and the fix (record/units.outside_unit_call); or that a method of a unit's module ran
+    # in place of its forward (a VAE's encode(): record/units.method_call); "" otherwise
     exception_hint: str = ""
     # FSDP2 units of other models alive in the process at the exit (a frozen teacher, a GAN's other network): their
     # collectives share the trace's labels with the watched model's, their work lies in its time outside the model

@@ -302,7 +302,8 @@ class Doctor:
                         others = 0
                     hint = ""
                     if exc_type is not None and MIXED_DTENSOR in str(exc):
-                        try:  # (a module of a unit called outside its unit's forward: which, and the fix)
+                        try:  # (a module of a unit called outside its unit's forward, or a method in place of the
+                            # unit's forward: which, and the fix)
                             hint = (outside_unit_call(self._units, naming_root(self.model), tb)
                                     or method_call(self._units, naming_root(self.model), tb))
                         except Exception:  # noqa: BLE001 - the user's exception goes on unexplained
