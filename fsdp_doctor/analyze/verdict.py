@@ -299,6 +299,18 @@ def _waits_inside(run: Optional[Run], ranks: list[str]) -> tuple[list[str], list
     return called, framed, methods
 
 
+def _root_methods(run: Optional[Run], ranks: list[str]) -> list[str]:
+    """The methods of the root unit's module registered as forward methods (register_fsdp_forward_method), from the
+    records of ``ranks``."""
+    for r in ranks:
+        rd = run.ranks.get(int(r)) if run is not None else None
+        cfg = (rd.config if rd is not None else None) or (run.config if run is not None else None)
+        for u in (cfg.units if cfg is not None else []):
+            if u.parent is None and getattr(u, "forward_methods", None):
+                return list(u.forward_methods)
+    return []
+
+
 def _waits_inside_clause(called: list[str], framed: list[str], methods: list[str]) -> str:
     """The verdict's words on the all-gather waits its records count as compute (``_waits_inside``'s lists), "" for
     none."""
@@ -414,6 +426,12 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
     # forward method" left the reader to find which, a new-user trial; a model compiled whole after sharding: its
     # units' backward waits are inside their backward too, which "the forward all-gather waits" left unsaid)
     job.summary += _waits_inside_clause(*_waits_inside(run, [r for r in joined if r not in traced]))
+    if job.bound == "input" and (methods := _root_methods(run, [r for r in joined if r not in traced])):
+        # (a VAE whose whole model is one unit, _encode() registered, read "input-bound (55% of the step)" from its
+        # records: its decode(), which the loop calls itself, is outside the model's forward; its trace said compute)
+        job.summary += (f" (from the records, the model runs through {', '.join(f'{m}()' for m in methods)}, "
+                        "registered as its forward: its other methods the loop calls run outside it, in these "
+                        "shares as input; a profiler window tells them apart)")
     if job.bound == "host" and job.device == "gpu":
         job.summary += _host_optimizer_clause(run, list(joined), job.groups_pct["host"] / 100)
     if job_parts.get("reducescatter", 0.0) > 0 and _no_backward_of_its_own(run):

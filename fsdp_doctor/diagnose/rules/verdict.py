@@ -108,6 +108,14 @@ class SevereVerdict(Rule):
                               "cores with compute: FSDP's overlap levers (prefetch, kept-gathered units) gain nothing "
                               "measurable there, so no gain is promised (prefetch.exposed_allgather and "
                               "prefetch.sync_unshard judge what gloo allows)")
+        methods = [m for u in E.units(ctx) if u.is_root for m in (getattr(u, "forward_methods", None) or [])]
+        if kind == "input" and "trace" not in (job.source or "") and methods:
+            # (a VAE whose whole model is one unit, _encode() registered, decode() not: decode's compute read as
+            # "input-bound (53%)" from the records of a new-user trial's model; its profiler trace said compute)
+            return self.quiet(f"input-bound ({fmt_share(share)}) from the records, where the model runs through "
+                              f"its registered forward method(s) ({', '.join(f'{m}()' for m in methods)}): the "
+                              "work of its other methods the loop calls counts as outside the model too; a profiler "
+                              "window tells them apart")
         warned = [f.code for f in ctx.earlier if f.severity in ("warning", "critical") and _addresses(f, kind)]
         if warned:
             return self.quiet(f"{job.bound}-bound ({fmt_share(share)}), and {', '.join(sorted(set(warned)))} "
