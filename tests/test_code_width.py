@@ -107,3 +107,16 @@ def test_a_comment_paragraph_flows_on_into_its_next_line():
         "        # after building the optimizer, before its first step: its fused",
         "        # implementation, one kernel per update, no foreach intermediates",
         "        group['foreach'], group['fused'] = False, True"], out
+
+
+def test_the_words_that_say_where_a_fix_goes_stay_whole():
+    """The phrase snippets.fix_place reads (BEFORE_SHARDING) is never split over two lines, nor the marker of a
+    two-part fix's place (SHARDING_GOES_HERE) flowed into the comment above it."""
+    from fsdp_doctor.diagnose.snippets import BEFORE_SHARDING, SHARDING_GOES_HERE
+
+    code = ("def plan(model):\n"
+            "    # the first blocks, in forward order: whatever the rule said, " + BEFORE_SHARDING
+            + " (before it is sharded)\n    " + SHARDING_GOES_HERE + "\n    return model")
+    out = fit(code)
+    assert max(map(len, out.splitlines())) <= 80, out
+    assert BEFORE_SHARDING in out and "    " + SHARDING_GOES_HERE in out.splitlines(), out

@@ -24,7 +24,7 @@ import ast
 import io
 import tokenize
 
-from .snippets import comment
+from .snippets import BEFORE_SHARDING, SHARDING_GOES_HERE, comment
 
 WIDTH = 80
 
@@ -57,7 +57,7 @@ def fit(code: str, width: int = WIDTH) -> str:
             last, nxt = new[-1].lstrip(), lines[end].lstrip()
             # a comment's last words flow on into the next comment line, the paragraph's ("# its fused" then
             # "# implementation," and "# one kernel per update": optim.unfused_step's under the Trainer)
-            if last.startswith("#") and nxt.startswith("#"):
+            if last.startswith("#") and nxt.startswith("#") and nxt != SHARDING_GOES_HERE:
                 new[-1] += " " + nxt.lstrip("#").strip()
                 end += 1
             # a list's item broken onto a line of its own flows on into the next line of the same list
@@ -92,13 +92,19 @@ def _fit_line(line: str, toks: list[tokenize.TokenInfo], depth: int, width: int)
     indent = _indent(line)
     note = next((t for t in toks if t.type == tokenize.COMMENT), None)
     if note is not None and not line[:note.start[1]].strip():  # a comment line
-        return comment(note.string.lstrip("#").strip(), indent, width)
+        return comment(_glued(note.string), indent, width)
     above = []
     if note is not None:  # a comment after code: above it, the code alone
-        above = comment(note.string.lstrip("#").strip(), indent, width)
+        above = comment(_glued(note.string), indent, width)
         line = line[:note.start[1]].rstrip()
         toks = [t for t in toks if t is not note]
     return above + _break_at_commas(line, toks, depth, indent, width)
+
+
+def _glued(note: str) -> str:
+    """A comment's text, the words that say where a fix goes kept on one line (snippets.fix_place and the tests
+    read them: BEFORE_SHARDING), as ``comment`` keeps a number with its unit."""
+    return note.lstrip("#").strip().replace(BEFORE_SHARDING, BEFORE_SHARDING.replace(" ", "\0"))
 
 
 def _break_at_commas(line: str, toks: list[tokenize.TokenInfo], depth: int, indent: str, width: int) -> list[str]:
