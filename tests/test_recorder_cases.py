@@ -610,7 +610,8 @@ def test_tensor_parallel_fix_runs_on_the_users_fsdp_mesh(tmp_path_factory):
         assert after["peak"] <= f["predicted"]["peak_bytes_after"], (after["peak"], f["predicted"])
         before, after = res["no_root"], res["no_root_fixed"]
         f = before["findings"]["wrap.root_not_sharded"]
-        assert "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))['dp']" in f["code"]
+        assert ("mesh = next(p.device_mesh for p in model.parameters()\n            if isinstance(p, DTensor))['dp']"
+                in f["code"]), f["code"]
         assert "wrap.root_not_sharded" not in after["findings"] and f["where"] == "sharded", after["findings"].keys()
         want = f["predicted"]["peak_bytes_after"]
         assert abs(after["peak"] - want) <= 0.1 * want, (after["peak"], want)

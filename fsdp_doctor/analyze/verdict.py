@@ -427,8 +427,10 @@ def verdict(overlap: Optional[OverlapSection], run: Optional[Run] = None,
     # units' backward waits are inside their backward too, which "the forward all-gather waits" left unsaid)
     job.summary += _waits_inside_clause(*_waits_inside(run, [r for r in joined if r not in traced]))
     if job.bound == "input" and (methods := _root_methods(run, [r for r in joined if r not in traced])):
-        # (a VAE whose whole model is one unit, _encode() registered, read "input-bound (55% of the step)" from its
-        # records: its decode(), which the loop calls itself, is outside the model's forward; its trace said compute)
+        # (tests/test_outside_unit_call.py's VAE-shaped model, the whole model one unit, encode() registered, read
+        # "input-bound (55% of the step)" from its records: decode(), which the loop calls itself, is outside the
+        # model's forward; a diffusers VAE so sharded, _encode() registered, kept 218 of its 376 ms outside the model
+        # in its records, and its trace said compute-bound, 89%)
         job.summary += (f" (from the records, the model runs through {', '.join(f'{m}()' for m in methods)}, "
                         "registered as its forward: its other methods the loop calls run outside it, in these "
                         "shares as input; a profiler window tells them apart)")

@@ -1521,8 +1521,10 @@ def fused_optimizer() -> str:
 
 def root_mesh(config=None) -> str:
     """The mesh the user's own units were sharded on, read from the sharded model (DTensor parameters); where their
-    mesh has model-parallel dims beside FSDP's (``config``: RunConfig.mesh), FSDP's dims of it."""
-    return "mesh = next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))" + (
+    mesh has model-parallel dims beside FSDP's (``config``: RunConfig.mesh), FSDP's dims of it. Two lines, broken
+    before the generator's condition: in one, with ``['dp']``, it ran past 80 columns, and code_width could break it
+    only at the comma inside ``isinstance(p, DTensor)``."""
+    return "mesh = next(p.device_mesh for p in model.parameters()\n            if isinstance(p, DTensor))" + (
         fsdp_submesh(config) if model_parallel(config) else "")
 
 

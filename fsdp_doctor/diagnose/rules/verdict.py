@@ -110,8 +110,8 @@ class SevereVerdict(Rule):
                               "prefetch.sync_unshard judge what gloo allows)")
         methods = [m for u in E.units(ctx) if u.is_root for m in (getattr(u, "forward_methods", None) or [])]
         if kind == "input" and "trace" not in (job.source or "") and methods:
-            # (a VAE whose whole model is one unit, _encode() registered, decode() not: decode's compute read as
-            # "input-bound (53%)" from the records of a new-user trial's model; its profiler trace said compute)
+            # (a VAE-shaped model, the whole model one unit, encode() registered, decode() not: decode's compute
+            # read "input-bound (53%)" from its records, a warning of this rule; analyze/verdict.py's clause says so)
             return self.quiet(f"input-bound ({fmt_share(share)}) from the records, where the model runs through "
                               f"its registered forward method(s) ({', '.join(f'{m}()' for m in methods)}): the "
                               "work of its other methods the loop calls counts as outside the model too; a profiler "
