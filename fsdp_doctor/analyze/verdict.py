@@ -286,9 +286,7 @@ def _waits_inside(run: Optional[Run], ranks: list[str]) -> tuple[list[str], list
     called: list[str] = []
     framed: list[str] = []
     methods: list[str] = []
-    for r in ranks:
-        rd = run.ranks.get(int(r)) if run is not None else None
-        cfg = (rd.config if rd is not None else None) or (run.config if run is not None else None)
+    for cfg in _configs(run, ranks):
         if cfg is not None:
             called = max(called, [u.name for u in cfg.units if getattr(u, "compiled_call_timed", False)], key=len)
             # (a unit without parameters of its own gathers nothing: a root whose parameters are all in its blocks)
@@ -302,13 +300,18 @@ def _waits_inside(run: Optional[Run], ranks: list[str]) -> tuple[list[str], list
 def _root_methods(run: Optional[Run], ranks: list[str]) -> list[str]:
     """The methods of the root unit's module registered as forward methods (register_fsdp_forward_method), from the
     records of ``ranks``."""
-    for r in ranks:
-        rd = run.ranks.get(int(r)) if run is not None else None
-        cfg = (rd.config if rd is not None else None) or (run.config if run is not None else None)
+    for cfg in _configs(run, ranks):
         for u in (cfg.units if cfg is not None else []):
             if u.parent is None and getattr(u, "forward_methods", None):
                 return list(u.forward_methods)
     return []
+
+
+def _configs(run: Optional[Run], ranks: list[str]):
+    """Each of ``ranks``' unit snapshot (its records' RunConfig, else the run's; None where neither is)."""
+    for r in ranks:
+        rd = run.ranks.get(int(r)) if run is not None else None
+        yield (rd.config if rd is not None else None) or (run.config if run is not None else None)
 
 
 def _waits_inside_clause(called: list[str], framed: list[str], methods: list[str]) -> str:

@@ -304,8 +304,8 @@ class Doctor:
                     if exc_type is not None and MIXED_DTENSOR in str(exc):
                         try:  # (a module of a unit called outside its unit's forward, or a method in place of the
                             # unit's forward: which, and the fix)
-                            hint = (outside_unit_call(self._units, naming_root(self.model), tb)
-                                    or method_call(self._units, naming_root(self.model), tb))
+                            root = naming_root(self.model)
+                            hint = outside_unit_call(self._units, root, tb) or method_call(self._units, root, tb)
                         except Exception:  # noqa: BLE001 - the user's exception goes on unexplained
                             hint = ""
                         if hint and self.rank == 0:
