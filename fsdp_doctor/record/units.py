@@ -87,6 +87,25 @@ def no_forward(m: nn.Module) -> bool:
 MIXED_DTENSOR = "mixed torch.Tensor and DTensor"
 
 
+def _module_frames(units: list[Unit], root: nn.Module, tb) -> tuple[list[tuple[str, nn.Module]], dict, dict]:
+    """The frames of a traceback (``tb``) that run a method of one of ``root``'s modules, outermost first, as (the
+    method's name, the module); with each unit by its modules' ids and each module's name by its id."""
+    fqn = {id(m): n for n, m in root.named_modules()}
+    frames = []
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if isinstance(me, nn.Module) and id(me) in fqn:
+            frames.append((tb.tb_frame.f_code.co_name, me))
+        tb = tb.tb_next
+    return frames, {id(m): u for u in units for m in u.modules}, fqn
+
+
+def _holding_unit(units: list[Unit], name: str) -> Unit | None:
+    """The innermost unit whose modules hold the module named ``name`` (the root's, "", holds every one)."""
+    return max((u for u in units for n in u.module_names if not n or name == n or name.startswith(n + ".")),
+               key=lambda u: u.depth, default=None)
+
+
 def outside_unit_call(units: list[Unit], root: nn.Module, tb) -> str:
     """Where a traceback (``tb``, the loop's exception) passes from a unit's forward into a module of another unit
     nested in it without that unit's forward (diffusers' DiTTransformer2DModel: the root's forward calls
@@ -94,22 +113,17 @@ def outside_unit_call(units: list[Unit], root: nn.Module, tb) -> str:
     got mixed torch.Tensor and DTensor": a new-user trial), one sentence naming the module, its unit, the caller and
     the fix (the module a unit of its own, which FSDP2 gathers wherever it runs); "" where it does not. ``root``: the
     module the units' names are read from (``naming_root``)."""
-    unit_of = {id(m): u for u in units for m in u.modules}
-    fqn = {id(m): n for n, m in root.named_modules()}
+    frames, unit_of, fqn = _module_frames(units, root, tb)
     called = []  # the modules whose forward the traceback passes through, outermost first
-    while tb is not None:
-        frame = tb.tb_frame
-        me = frame.f_locals.get("self") if frame.f_code.co_name == "forward" else None
-        if isinstance(me, nn.Module) and id(me) in fqn and (not called or called[-1] is not me):
+    for name, me in frames:
+        if name == "forward" and (not called or called[-1] is not me):
             called.append(me)
-        tb = tb.tb_next
     active = max((i for i, m in enumerate(called) if id(m) in unit_of), default=None)
     if active is None or active + 1 >= len(called) or id(called[active + 1]) in unit_of:
         return ""
     caller, callee = unit_of[id(called[active])], fqn[id(called[active + 1])]
-    # the unit whose module holds the callee, innermost: not the caller's (whose parameters are gathered)
-    owner = max((u for u in units for n in u.module_names if n and callee.startswith(n + ".")),
-                key=lambda u: u.depth, default=None)
+    # the unit whose module holds the callee: not the caller's (whose parameters are gathered), nor one on the stack
+    owner = _holding_unit(units, callee)
     on_stack = {id(c) for c in called}
     if owner is None or owner is caller or any(id(m) in on_stack for m in owner.modules):
         return ""
@@ -136,14 +150,7 @@ def method_call(units: list[Unit], root: nn.Module, tb) -> str:
     innermost method of its module on the traceback; for another unit, resharded after each, the outermost, the one
     the loop called. Passed over: a decorator's wrapper (a name not of the module's class), nn.Module's own methods,
     a LightningModule's training_step (a loop's step: then no sentence)."""
-    unit_of = {id(m): u for u in units for m in u.modules}
-    fqn = {id(m): n for n, m in root.named_modules()}
-    frames = []
-    while tb is not None:
-        frames.append(tb.tb_frame)
-        tb = tb.tb_next
-    mods = [(f.f_code.co_name, me) for f in frames
-            if isinstance(me := f.f_locals.get("self"), nn.Module) and id(me) in fqn]
+    mods, unit_of, fqn = _module_frames(units, root, tb)
     first = next((i for i, (_, me) in enumerate(mods) if id(me) in unit_of), None)
     if first is None:
         return ""
@@ -160,9 +167,7 @@ def method_call(units: list[Unit], root: nn.Module, tb) -> str:
             own.append((i, name))
     unit, callee = unit_of[id(me)], fqn[id(mods[-1][1])]
     # the module that raised is the unit's own, not inside a unit of its own nested in it
-    owner = max((u for u in units for n in u.module_names if not n or callee == n or callee.startswith(n + ".")),
-                key=lambda u: u.depth, default=None)
-    if not own or owner is not unit:
+    if not own or _holding_unit(units, callee) is not unit:
         return ""
     public = [n for _, n in own if not n.startswith("_")]
     name = own[-1][1] if not unit.name else (public or [own[-1][1]])[0]
