@@ -801,7 +801,9 @@ def test_verdict_bar_known_answers():
     # a rank selected: that rank and the job; more ranks than shown: the title counts them
     one = F.verdict_figure(v, rank=1)
     assert list(one.data[0].y) == ["rank 1 · 4.00 ms", "job · 2 ranks"]
-    assert F.verdict_figure(v, max_ranks=1).layout.title.text.startswith("Verdict: % of the step (trace), first 1 of 2 ranks")
+    slowest = F.verdict_figure(v, max_ranks=1)  # (rank 0's 5.00 ms step against rank 1's 4.00)
+    assert slowest.layout.title.text.startswith("Verdict: % of the step (trace), 1 of 2 ranks (the slowest);")
+    assert list(slowest.data[0].y) == ["rank 0 · 5.00 ms", "job · 2 ranks"]
     assert _is_note(F.verdict_figure(None)) and _is_note(F.verdict_figure(Verdict(job=VerdictEntry(bound="compute"))))
 
 
@@ -809,9 +811,12 @@ def test_verdict_rows_count_the_ranks_not_shown():
     from fsdp_doctor.present.fmt import VERDICT_HEADER, verdict_rows
 
     v = _known_verdict()
-    many = Verdict(job=v.job, per_rank={str(r): v.per_rank["0"] for r in range(10)})
+    # 10 ranks, each step 1 ms longer than the rank before, but rank 3's the longest: the 7 slowest and the fastest
+    steps = {r: 10.0 + r for r in range(10)} | {3: 30.0}
+    many = Verdict(job=v.job, per_rank={str(r): msgspec.structs.replace(v.per_rank["0"], step_ms=ms)
+                                        for r, ms in steps.items()})
     rows = verdict_rows(many)
-    assert [r[0] for r in rows] == [*map(str, range(8)), "+2", "job"]
+    assert [r[0] for r in rows] == ["0", "3", "4", "5", "6", "7", "8", "9", "+2", "job"], rows
     assert rows[8][:2] == ("+2", "more ranks") and all(len(r) == len(VERDICT_HEADER) for r in rows)
     assert [r[0] for r in verdict_rows(Verdict(job=v.job, per_rank={"0": v.per_rank["0"]}))] == ["0"]
 

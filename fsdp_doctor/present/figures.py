@@ -16,7 +16,7 @@ import plotly.io as pio
 from fsdp_doctor import memory_categories as MC
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
+from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, ranks_shown, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
                                      verdict_share, verdict_steps, verdict_title)
 from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemorySection, OverlapRank,
                                          StepsSection, UnitRow, Verdict)
@@ -638,7 +638,7 @@ def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_r
         return empty_figure("No verdict yet: it needs step records or a profiled window.", "Verdict", 200)
     per_rank, job = section.per_rank, section.job
     keys = [str(rank)] if rank is not None and str(rank) in per_rank else list(per_rank)
-    shown = keys[:max_ranks]
+    shown, _ = ranks_shown({r: per_rank[r].step_ms for r in keys}, max_ranks)  # (the table's: the slowest, the fastest)
     rows = [(f"rank {r} · {fmt_ms(per_rank[r].step_ms)}" if per_rank[r].step_ms is not None
              else f"rank {r}", per_rank[r]) for r in shown]
     if len(per_rank) > 1:
@@ -655,7 +655,7 @@ def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_r
                              hovertemplate="%{y}<br>" + seg + " %{x:.1f}% of the step<extra></extra>"))
     title = verdict_title(section)
     if len(keys) > len(shown):
-        title += f", first {len(shown)} of {len(keys)} ranks"
+        title += f", {len(shown)} of {len(keys)} ranks (the slowest" + (" and the fastest)" if len(shown) > 1 else ")")
     title += verdict_steps(section)  # (over the profiled or steady steps it covers, not the run's p50)
     fig.update_layout(barmode="stack")
     fig.update_xaxes(range=[0, 100], ticksuffix="%", dtick=10)

@@ -298,11 +298,18 @@ OVERLAP_RANKS_HEADER = ("rank", "dev", "steps", "step", "comm", "hidden", "expos
                         "copies exp.")
 
 
-def overlap_rank_rows(sec: OverlapSection) -> list[tuple[str, ...]]:
-    """Per rank, per complete profiled step (OverlapRank's ``*_per_step`` figures); the overlap % is HTA's, over the
-    whole window; host-blocking all-gathers in the window; exposed host-device copies (only where there are any)."""
+def overlap_keys(sec: OverlapSection) -> dict:
+    """Each rank's exposed communication per profiled step (ms): the key ``ranks_shown`` picks the overlap table's
+    ranks by."""
+    return {r: pr.exposed_ms_per_step for r, pr in sec.per_rank.items()}
+
+
+def overlap_rank_rows(sec: OverlapSection, ranks: Optional[list] = None) -> list[tuple[str, ...]]:
+    """Per rank (of ``ranks`` only where given), per complete profiled step (OverlapRank's ``*_per_step``
+    figures); the overlap % is HTA's, over the whole window; host-blocking all-gathers in the window; exposed
+    host-device copies (only where there are any)."""
     rows = []
-    for rank in sorted(sec.per_rank, key=int):
+    for rank in sorted(sec.per_rank if ranks is None else ranks, key=int):
         pr = sec.per_rank[rank]
         blk = sec.blocking.get(rank) or Blocking()
         cp = sec.copies.get(rank)
@@ -408,7 +415,46 @@ VERDICT_PARTS: dict[str, tuple[str, ...]] = {
 }
 VERDICT_COLUMNS = tuple(k for k in VERDICT_PARTS if k not in ("model comm", "other comm"))  # the table's columns
 VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's segments (they add up to 100%)
-VERDICT_MAX_RANKS = 8  # ranks listed one by one; the rest are counted
+#: a larger job's per-rank tables (and the verdict's bars) show this many ranks: those where a problem shows (the
+#: slowest steps, the highest peaks, the most exposed communication) and the other end beside them; one line says
+#: how many are left out and what their figures span. The JSON report keeps every rank.
+RANKS_SHOWN = 8
+VERDICT_MAX_RANKS = RANKS_SHOWN  # (the verdict's table and bars)
+
+
+def rank_order(rank) -> int:
+    """A rank's place in rank order (its key as a number; a key that is none first)."""
+    return int(rank) if str(rank).isdigit() else -1
+
+
+def ranks_shown(keys: dict, most: int = RANKS_SHOWN) -> tuple[list, list]:
+    """(shown, left out), each in rank order, of the ranks ``keys`` gives a figure for (None: none known): every rank
+    where there are ``most`` or fewer; else the ranks without a figure (a rank that recorded no steady step stands
+    out), the ``most - 1`` with the highest figure, and the one with the lowest (``most`` 1: the highest). (A 16-rank run's step, throughput
+    and communication tables and peak lines listed every rank, and the memory table dropped all but the first 4
+    ranks at 100 columns, naming the other 12: at a 512-rank job's scale, pages of rows.)"""
+    ranks = sorted(keys, key=rank_order)
+    if len(ranks) <= most:
+        return ranks, []
+    known = sorted((r for r in ranks if keys[r] is not None), key=lambda r: -keys[r])  # (ties: in rank order)
+    pick = [r for r in ranks if keys[r] is None][:most]
+    pick += known[:max(0, most - (1 if most > 1 else 0) - len(pick))]
+    if len(pick) < most and known and known[-1] not in pick:
+        pick.append(known[-1])
+    chosen = set(pick)
+    return [r for r in ranks if r in chosen], [r for r in ranks if r not in chosen]
+
+
+def ranks_left_out_line(left: list, keys: dict, what: str, fmt, most: int = RANKS_SHOWN) -> str:
+    """The line under a table that leaves ``left`` ranks out (``ranks_shown``): how many, and what their ``what``
+    figures (``keys``, formatted by ``fmt``) span; "" where none is."""
+    if not left:
+        return ""
+    vals = [keys[r] for r in left if keys[r] is not None]
+    lo, hi = (min(vals), max(vals)) if vals else (None, None)
+    span = "" if lo is None else f", {what} {fmt(lo)}" + ("" if fmt(lo) == fmt(hi) else f" to {fmt(hi)}")
+    return (f"{len(left)} more ranks not shown{span} (shown: the {most - 1} highest {what} and the lowest; the JSON "
+            "report has every rank)")
 
 
 def verdict_share(entry: VerdictEntry, column: str) -> float:
@@ -445,18 +491,19 @@ VERDICT_HEADER = ("rank", "bound", "step", *VERDICT_COLUMNS)
 
 
 def verdict_rows(section: Verdict, max_ranks: int = VERDICT_MAX_RANKS) -> list[tuple[str, ...]]:
-    """The verdict's table rows (VERDICT_HEADER's columns, as text): the first ``max_ranks`` ranks, a "+N more
-    ranks" row, and the job's row (first cell "job") when there is more than one rank."""
+    """The verdict's table rows (VERDICT_HEADER's columns, as text): ``max_ranks`` ranks (``ranks_shown``: the
+    slowest steps and the fastest), a "+N more ranks" row, and the job's row (first cell "job") when there is more
+    than one rank."""
     def row(name, v: VerdictEntry):
         return (name, v.bound, fmt_ms(v.step_ms) if v.step_ms is not None else "",
                 *(f"{verdict_share(v, c):.1f}" for c in VERDICT_COLUMNS))
 
     sec = section
-    ranks = list(sec.per_rank.items())
-    out = [row(str(r), v) for r, v in ranks[:max_ranks]]
-    if len(ranks) > max_ranks:
-        out.append((f"+{len(ranks) - max_ranks}", "more ranks", *[""] * (len(VERDICT_HEADER) - 2)))
-    if len(ranks) > 1:
+    shown, left = ranks_shown({r: v.step_ms for r, v in sec.per_rank.items()}, max_ranks)
+    out = [row(str(r), sec.per_rank[r]) for r in shown]
+    if left:
+        out.append((f"+{len(left)}", "more ranks", *[""] * (len(VERDICT_HEADER) - 2)))
+    if len(sec.per_rank) > 1:
         job = row("job", sec.job)
         if sec.job.read_on is not None:  # the straggler's own step (its row above the same figures, unlabelled)
             job = (job[0], f"{job[1]} (rank {sec.job.read_on})", *job[2:])
@@ -514,12 +561,18 @@ def no_steady_text(section: StepsSection) -> str | None:
             + (": a run of 3 steps or more gives step times and the verdict." if short else "."))
 
 
-def steps_rows(section: StepsSection) -> list[tuple[str, ...]]:
-    """The step table's rows (STEPS_HEADER's columns, as text), one per rank (``section``: ``report.steps``), and
-    with two ranks or more the job's (every rank's steps together: the step p50 the findings and compare quote, which
-    no row showed)."""
+def steps_keys(section: StepsSection) -> dict:
+    """Each rank's step p50 (ms; None without a steady step): the key ``ranks_shown`` picks the step and throughput
+    tables' ranks by."""
+    return {r: st.p50_ms if st.count else None for r, st in section.per_rank.items()}
+
+
+def steps_rows(section: StepsSection, ranks: Optional[list] = None) -> list[tuple[str, ...]]:
+    """The step table's rows (STEPS_HEADER's columns, as text), one per rank (``section``: ``report.steps``; those of
+    ``ranks`` only where given), and with two ranks or more the job's (every rank's steps together: the step p50 the
+    findings and compare quote, which no row showed)."""
     out = []
-    rows = list(section.per_rank.items())
+    rows = [(r, st) for r, st in section.per_rank.items() if ranks is None or r in ranks]
     if len([st for st in section.per_rank.values() if st.count]) > 1 and section.job is not None and section.job.count:
         rows.append(("job", section.job))
     for r, st in rows:
@@ -788,10 +841,10 @@ def throughput_note(section: ThroughputSection) -> str:
     return "\n".join(notes)
 
 
-def throughput_rows(section: ThroughputSection) -> list[tuple[str, ...]]:
-    """The throughput table's rows (THROUGHPUT_HEADER's columns): each rank, then the job's (first cell "job")
-    when it knows a figure (``section``: ``report.throughput``)."""
-    out = [(r, *throughput_cells(row)) for r, row in section.per_rank.items()]
+def throughput_rows(section: ThroughputSection, ranks: Optional[list] = None) -> list[tuple[str, ...]]:
+    """The throughput table's rows (THROUGHPUT_HEADER's columns): each rank (of ``ranks`` only where given), then
+    the job's (first cell "job") when it knows a figure (``section``: ``report.throughput``)."""
+    out = [(r, *throughput_cells(row)) for r, row in section.per_rank.items() if ranks is None or r in ranks]
     job = section.job
     if any(x is not None for x in (job.tokens_per_s, job.achieved_tflops, job.mfu_pct)):
         out.append(("job", *throughput_cells(job)))
@@ -809,14 +862,20 @@ def memory_categories_shown(section: MemorySection) -> list[str]:
             if c in unknown or any(pr.peak_breakdown.get(c) for pr in per_rank.values())]
 
 
-def memory_rows(section: MemorySection) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
-    """(header, rows) of the breakdown at the peak: per category its bytes and % of the peak on each rank
-    ("unknown" where this torch could not measure it), then the peak itself; the terminal's and the HTML's. A
-    non-zero share never reads "0.0" (a new-user trial's buffers, 64 B of a 3.2 MiB peak: "<0.1")."""
+def memory_keys(section: MemorySection) -> dict:
+    """Each rank's peak (bytes): the key ``ranks_shown`` picks the memory table's ranks by."""
+    return {r: pr.peak_bytes for r, pr in section.per_rank.items()}
+
+
+def memory_rows(section: MemorySection, ranks: Optional[list] = None) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+    """(header, rows) of the breakdown at the peak: per category its bytes and % of the peak on each rank (of
+    ``ranks`` only where given; "unknown" where this torch could not measure it), then the peak itself; the
+    terminal's and the HTML's. A non-zero share never reads "0.0" (a new-user trial's buffers, 64 B of a 3.2 MiB
+    peak: "<0.1")."""
     from ..memory_categories import label
 
     per_rank = section.per_rank
-    ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
+    ranks = sorted(per_rank if ranks is None else ranks, key=rank_order)
     shown = memory_categories_shown(section)
     header = ("category", *(x for r in ranks for x in (f"rank {r}", "%")))
     rows = []
@@ -832,11 +891,12 @@ def memory_rows(section: MemorySection) -> tuple[tuple[str, ...], list[tuple[str
     return header, rows
 
 
-def memory_lines(section: MemorySection) -> list[tuple[str, str]]:
-    """Per rank: where the peak happened, its share of the capacity, offloaded host bytes, tensors the optimizer
-    holds that the model no longer uses, and the section's notes, as (text, kind: "info" | "error" | "warning")."""
+def memory_lines(section: MemorySection, ranks: Optional[list] = None) -> list[tuple[str, str]]:
+    """Per rank (of ``ranks`` only where given): where the peak happened, its share of the capacity, offloaded host
+    bytes, tensors the optimizer holds that the model no longer uses, and the section's notes, as (text, kind:
+    "info" | "error" | "warning"); the terminal's and the HTML's."""
     out = []
-    for r in sorted(section.per_rank, key=lambda r: int(r) if str(r).isdigit() else 0):
+    for r in sorted(section.per_rank if ranks is None else ranks, key=rank_order):
         pr = section.per_rank[r]
         parts = [f"rank {r}: peak {fmt_bytes(pr.peak_bytes)} at {memory_peak_where(pr.peak_at)}"]
         if pr.capacity_bytes:

@@ -8,8 +8,11 @@ from rich.text import Text
 
 from ..report_sections import MemorySection
 from .fit import Col, fitted_table
-from .fmt import (TRACE_MEMORY_HEADER, fmt_bytes, fmt_share, memory_categories_shown, memory_peak_where, memory_rows,
-                  short_unit_labels, trace_memory_rows)
+from .fmt import (TRACE_MEMORY_HEADER, fmt_bytes, memory_categories_shown, memory_keys, memory_lines, memory_rows,
+                  rank_order, ranks_left_out_line, ranks_shown, short_unit_labels, trace_memory_rows)
+
+#: memory_lines' kinds as the terminal styles them
+_LINE_STYLE = {"error": "red", "warning": "yellow"}
 
 _BAR = 20
 
@@ -28,21 +31,26 @@ def render_memory(section: MemorySection, width: int = 100):
     per_rank = sec.per_rank if sec is not None else {}
     if not per_rank:
         return Text("No memory measurements.")
-    ranks = sorted(per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
+    ranks = sorted(per_rank, key=rank_order)
     if sec.source != "records":  # a plain trace's allocator totals: no categories
         head = Text(f"Memory: peak allocated per rank over the complete steps ({sec.source})")
         return Group(head, fitted_table("", [Col(n, justify="left" if n == "unit, phase" else "right",
                                                  wrap=n == "unit, phase") for n in TRACE_MEMORY_HEADER],
                                         trace_memory_rows(sec), width))
+    # a larger job's ranks: the highest peaks and the lowest (fmt.ranks_shown)
+    keys = memory_keys(sec)
+    ranks, left = ranks_shown(keys)
     many = len(ranks) > 2
+    # at a narrow width the shares go first, then the ranks with the lower peaks (the first rank's column stays)
+    by_peak = sorted(ranks[1:], key=lambda r: -(keys[r] or 0))
     cols = [Col("category", justify="left", wrap=True)]
-    for i, r in enumerate(ranks):  # at a narrow width the shares go first, then the last ranks
-        cols += [Col(f"rank {r}", drop=0 if i == 0 else 10 + i), Col("%", drop=1, follows=True)]
+    for r in ranks:
+        cols += [Col(f"rank {r}", drop=0 if r == ranks[0] else 11 + by_peak.index(r)), Col("%", drop=1, follows=True)]
     if not many:
         cols.append(Col(f"share (rank {ranks[0]})", justify="left", drop=2))
     rows, styles = [], []
     # the cells: fmt.memory_rows, the HTML's too; the categories' rows, then the peak's
-    for c, row in zip([*memory_categories_shown(sec), "peak"], memory_rows(sec)[1]):
+    for c, row in zip([*memory_categories_shown(sec), "peak"], memory_rows(sec, ranks)[1]):
         if not many:
             p0 = per_rank[ranks[0]]
             v0 = p0.peak_breakdown.get(c, 0) or 0
@@ -50,25 +58,10 @@ def render_memory(section: MemorySection, width: int = 100):
         rows.append(row)
         styles.append("bold red" if c == "stale_optimizer_params" else "bold" if c == "peak" else None)
     table = fitted_table("Memory at the peak, by category (device bytes per rank)", cols, rows, width, styles=styles)
-    lines = []
-    for r in ranks:
-        pr = per_rank[r]
-        parts = [f"rank {r}: peak {fmt_bytes(pr.peak_bytes)} at {memory_peak_where(pr.peak_at)}"]
-        cap = pr.capacity_bytes
-        if cap:
-            parts.append(f"{fmt_share(pr.peak_bytes / cap)} of {fmt_bytes(cap)}")
-        if pr.offloaded_host_bytes:
-            parts.append(f"host (offloaded) {fmt_bytes(pr.offloaded_host_bytes)}")
-        if pr.activations and pr.activations != "exact":
-            parts.append(f"activations {pr.activations}")
-        lines.append(Text("; ".join(parts)))
-        if pr.stale_optimizer_params_bytes:
-            lines.append(Text(f"  rank {r}: the optimizer holds {fmt_bytes(pr.stale_optimizer_params_bytes)} "
-                              "of tensors the model no longer uses (created before fully_shard)", style="red"))
-        for n in pr.notes or []:
-            lines.append(Text(f"  rank {r}: {n}", style="yellow"))
-    if sec.unseen:
-        lines.append(Text(sec.unseen))
+    # where each shown rank's peak happened, and its notes (fmt.memory_lines, the HTML's too)
+    lines = [Text(text, style=_LINE_STYLE.get(kind, "")) for text, kind in memory_lines(sec, ranks)]
+    if line := ranks_left_out_line(left, keys, "peak", fmt_bytes):  # (under the table: a caption wraps at its width)
+        lines.insert(0, Text(line, style="dim"))
     top_rank = sec.peak_rank or ranks[0]
     top = per_rank.get(top_rank) or per_rank[ranks[0]]
     units = [u for u in top.per_unit if u.activation_bytes is not None or u.sharded_bytes]

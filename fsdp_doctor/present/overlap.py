@@ -10,7 +10,8 @@ from rich.text import Text
 from ..report_sections import CommUnitRow, OverlapSection
 from .fit import Col, fitted_table
 from .fmt import (COMM_UNITS_HEADER, OVERLAP_RANKS_HEADER, OVERLAP_RANKS_TITLE,  # one convention: fmt.py
-                  comm_unit_rows, comm_units_title, left_out_note, overlap_rank_rows, slack_note, unit_exposed_note)
+                  comm_unit_rows, comm_units_title, fmt_ms, left_out_note, overlap_keys, overlap_rank_rows,
+                  ranks_left_out_line, ranks_shown, slack_note, unit_exposed_note)
 
 TOP_UNITS = 15
 
@@ -20,11 +21,15 @@ def _rank_table(sec: OverlapSection, width: int):
     drops = {"dev": 3, "steps": 2, "hidden": 1, "overlap": 1, "blocked AG": 2, "copies exp.": 3}
     cols = [Col(h, drop=drops.get(h, 0)) for h in OVERLAP_RANKS_HEADER]
     rows, at = [], OVERLAP_RANKS_HEADER.index("overlap")
-    for rank, row in zip(sorted(sec.per_rank, key=int), overlap_rank_rows(sec)):
+    keys = overlap_keys(sec)  # (a larger job's: the most exposed ranks, the least)
+    shown, left = ranks_shown(keys)
+    for rank, row in zip(sorted(shown, key=int), overlap_rank_rows(sec, shown)):
         pct = sec.per_rank[rank].overlap_pct
         style = "red" if pct is not None and pct < 20 else ("yellow" if pct is not None and pct < 60 else "green")
         rows.append((*row[:at], Text(row[at], style=style if pct is not None else ""), *row[at + 1:]))
-    return fitted_table(OVERLAP_RANKS_TITLE, cols, rows, width)
+    line = ranks_left_out_line(left, keys, "exposed", fmt_ms)  # (under the table: a caption wraps at its width)
+    table = fitted_table(OVERLAP_RANKS_TITLE, cols, rows, width)
+    return Group(table, Text(line, style="dim")) if line else table
 
 
 def _unit_table(rows: list[CommUnitRow], top: int, width: int, names: Iterable[str] = ()):

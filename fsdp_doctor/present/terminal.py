@@ -17,7 +17,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_steps, verdict_title,
-                  units_hooks_timed_note,
+                  units_hooks_timed_note, ranks_left_out_line, ranks_shown, steps_keys,
                   fit_comments, fixes_note, problem_line)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
@@ -73,11 +73,16 @@ def render_steps(section: StepsSection, width: int = 100):
     cols = [Col("rank"), Col("steps", drop=2), Col("p50"), Col("p90", drop=3), Col("p99"), Col("max", drop=2),
             Col("cv"), Col("fwd", drop=1), Col("bwd", drop=1), Col("optim", drop=1), Col("outside", drop=1),
             Col("GC", drop=1)]
-    rows = steps_rows(sec)
+    keys = steps_keys(sec)
+    shown, left = ranks_shown(keys)
+    rows = steps_rows(sec, shown)
     if steps_traced(sec):  # no phase split from a trace: those columns would only hold dashes
         cols, rows = cols[:7], [r[:7] for r in rows]
     none = no_steady_text(sec)
     items = [Text(none) if none else fitted_table(steps_title(sec), cols, rows, width)]
+    # (a line of its own under the table, not its caption, which wraps at the table's width: render_throughput)
+    if not none and (line := ranks_left_out_line(left, keys, "step p50", fmt_ms)):
+        items.append(Text(line, style="dim"))
     items += [Text(line) for _, line in apart_texts(sec)]
     if sec.outliers:
         items.append(fitted_table(outliers_title(sec.outliers),
@@ -92,13 +97,17 @@ def render_steps(section: StepsSection, width: int = 100):
 def render_throughput(section: ThroughputSection, width: int = 100):
     """``section``: ``report.throughput``; a figure not known is "—" (MFU: model FLOPs; HFU: with activation
     checkpointing's recompute)."""
-    rows = throughput_rows(section or ThroughputSection())
+    sec = section or ThroughputSection()
+    # (the step table's ranks: the slowest steps, the fastest)
+    keys = {r: row.step_p50_ms for r, row in sec.per_rank.items()}
+    shown, left = ranks_shown(keys)
+    rows = throughput_rows(sec, shown)
     cols = [Col(h, drop=1 if h == "HFU" else 0) for h in THROUGHPUT_HEADER]
     table = fitted_table("Throughput", cols, rows, width, styles=["bold" if r[0] == "job" else None for r in rows])
     # the note under the table, not its caption: a caption wraps at the table's width ("job tokens/s: paced by the
     # slowest rank, rank 1 (step p50 …)" over three lines of 40 columns on a 200-column terminal: a new-user trial)
-    note = throughput_note(section or ThroughputSection())
-    return Group(table, *([Text(note, style="dim")] if note else []))
+    notes = [ranks_left_out_line(left, keys, "step p50", fmt_ms), throughput_note(sec)]
+    return Group(table, *(Text(n, style="dim") for n in notes if n))
 
 
 UNIT_ROWS = 24

@@ -1,0 +1,78 @@
+"""A larger job's per-rank tables in the terminal: a 16-rank run's step, throughput and communication tables and its
+peak lines listed every rank, and the memory table dropped all but the first 4 ranks at 100 columns (at a 512-rank
+job's scale, pages of rows). Each shows ``fmt.RANKS_SHOWN`` ranks, where a problem shows (the slowest steps, the
+highest peaks, the most exposed communication) and the other end, and one line says what the rest span; the JSON
+keeps every rank."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from rich.console import Console
+
+from fsdp_doctor.present.fmt import RANKS_SHOWN, fmt_ms, ranks_left_out_line, ranks_shown
+from fsdp_doctor.present.terminal import render_report
+
+SAMPLE = Path(__file__).resolve().parent.parent / "traces" / "sample" / "report.json"
+
+
+def test_ranks_shown_known_answers():
+    keys = {str(r): 10.0 + r for r in range(12)} | {"3": 40.0}
+    shown, left = ranks_shown(keys)
+    # the 7 highest (3, then 11 down to 6) and the lowest (0), each list in rank order
+    assert shown == ["0", "3", "6", "7", "8", "9", "10", "11"] and left == ["1", "2", "4", "5"]
+    assert ranks_left_out_line(left, keys, "step p50", fmt_ms) == (
+        "4 more ranks not shown, step p50 11.0 ms to 15.0 ms (shown: the 7 highest step p50 and the lowest; the JSON "
+        "report has every rank)")
+    # a rank without a figure (no steady step) stands out: shown first of all
+    assert ranks_shown(keys | {"5": None})[0] == ["0", "3", "5", "7", "8", "9", "10", "11"]
+    assert ranks_shown(keys, most=1) == (["3"], [r for r in map(str, range(12)) if r != "3"])
+    few = {"0": 1.0, "1": None}
+    assert ranks_shown(few) == (["0", "1"], []) and ranks_left_out_line([], few, "peak", str) == ""
+    # equal figures: the left-out line names the one value
+    assert ranks_left_out_line(["4", "5"], {"4": 2.0, "5": 2.0}, "peak", fmt_ms) == (
+        "2 more ranks not shown, peak 2.00 ms (shown: the 7 highest peak and the lowest; the JSON report has every "
+        "rank)")
+
+
+def _sixteen_ranks() -> dict:
+    """The sample run's report with its rank 0 copied to 16 ranks, rank 13's step the slowest and its peak the
+    highest, rank 2's communication the most exposed."""
+    rep = json.loads(SAMPLE.read_text())
+    for sec, name in (("verdict", "step_ms"), ("steps", "p50_ms"), ("throughput", "step_p50_ms"),
+                      ("memory", "peak_bytes"), ("overlap", "exposed_us")):
+        base = rep[sec]["per_rank"]["0"]
+        rep[sec]["per_rank"] = {}
+        for r in range(16):
+            row = copy.deepcopy(base)
+            v = base[name] * (1 + r / 100) * (2 if (r == 13 and sec != "overlap") or
+                                               (r == 2 and sec == "overlap") else 1)
+            row[name] = int(v) if isinstance(base[name], int) else v
+            rep[sec]["per_rank"][str(r)] = row
+    rep["overlap"]["per_rank"]["2"]["exposed_ms_per_step"] = 10 * rep["overlap"]["per_rank"]["2"].get(
+        "exposed_ms_per_step", 1.0)
+    return rep
+
+
+def test_a_sixteen_rank_report_shows_eight_ranks_per_table():
+    console = Console(width=100, record=True, color_system=None)
+    render_report(_sixteen_ranks(), console)
+    text = console.export_text()
+    # the step table: 8 ranks and the job, rank 13 (the slowest) among them, rank 1 (among the fastest) not
+    steps = text[text.index("Step time per rank"):text.index("Throughput")]
+    ranks = [ln.split()[0] for ln in steps.splitlines() if ln.strip() and ln.split()[0].isdigit() and "ranks" not in ln]
+    assert len(ranks) == RANKS_SHOWN and "13" in ranks and "1" not in ranks and "0" in ranks, steps
+    assert "8 more ranks not shown, step p50 " in steps, steps
+    # the memory table's columns and peak lines: rank 13's highest peak shown
+    memory = text[text.index("Memory at the peak"):text.index("Per unit")]
+    assert "rank 13" in memory and "8 more ranks not shown, peak " in memory, memory
+    assert sum(ln.startswith("rank ") and ": peak " in ln for ln in memory.splitlines()) == RANKS_SHOWN, memory
+    assert "rank 4: peak" not in memory, memory
+    # the communication table: rank 2, the most exposed
+    comm = text[text.index("Communication per complete profiled step"):]
+    rows = [ln.split()[0] for ln in comm.splitlines()[:30] if ln.strip() and ln.split()[0].isdigit() and "ranks" not in ln]
+    assert "2" in rows[:RANKS_SHOWN] and "8 more ranks not shown, exposed " in comm, comm
+    # no line past the terminal's width
+    assert max(map(len, text.splitlines())) <= 100
