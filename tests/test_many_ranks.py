@@ -76,3 +76,19 @@ def test_a_sixteen_rank_report_shows_eight_ranks_per_table():
     assert "2" in rows[:RANKS_SHOWN] and "8 more ranks not shown, exposed " in comm, comm
     # no line past the terminal's width
     assert max(map(len, text.splitlines())) <= 100
+
+
+def test_the_figures_of_sixteen_ranks_draw_eight():
+    """The HTML report's and the dashboard's per-rank figures: the step summary grew 46 px a rank (a 512-rank job's,
+    23,652 px), the memory peaks one bar a rank; each draws the ranks the terminal's table shows, and says so."""
+    from fsdp_doctor.present import figures as F
+    from fsdp_doctor.report_sections import Report
+
+    rep = Report.of(_sixteen_ranks())
+    steps = F.step_summary_figure(rep.steps)
+    assert len(steps.data[0].y) == RANKS_SHOWN and "rank 13 · p50 310.5 ms" in steps.data[0].y, steps.data[0].y
+    assert steps.layout.title.text.endswith(", 8 of 16 ranks (the slowest and the fastest)")
+    peaks = F.memory_peaks_figure(rep.memory)
+    assert len(peaks.data[0].x) == RANKS_SHOWN and any(x.startswith("rank 13<br>") for x in peaks.data[0].x)
+    assert peaks.layout.title.text.startswith("Memory at the peak, by category, 8 of 16 ranks (the highest peaks and "
+                                              "the lowest)")

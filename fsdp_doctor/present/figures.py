@@ -16,7 +16,7 @@ import plotly.io as pio
 from fsdp_doctor import memory_categories as MC
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, ranks_shown, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
+from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, RANKS_SHOWN, ranks_shown, ranks_shown_words, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
                                      verdict_share, verdict_steps, verdict_title)
 from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemorySection, OverlapRank,
                                          StepsSection, UnitRow, Verdict)
@@ -654,8 +654,7 @@ def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_r
                              textposition="inside", insidetextanchor="middle", textfont={"size": 12},
                              hovertemplate="%{y}<br>" + seg + " %{x:.1f}% of the step<extra></extra>"))
     title = verdict_title(section)
-    if len(keys) > len(shown):
-        title += f", {len(shown)} of {len(keys)} ranks (the slowest" + (" and the fastest)" if len(shown) > 1 else ")")
+    title += ranks_shown_words(len(shown), len(keys), "the slowest", "the fastest")
     title += verdict_steps(section)  # (over the profiled or steady steps it covers, not the run's p50)
     fig.update_layout(barmode="stack")
     fig.update_xaxes(range=[0, 100], ticksuffix="%", dtick=10)
@@ -698,18 +697,16 @@ def unit_timing_figure(units: list[UnitRow], unit: Optional[str] = None, height:
 # ---------------------------------------------------------------- report summaries (the HTML report's figures)
 
 
-def _rank_order(keys) -> list[str]:
-    return sorted(keys, key=lambda r: (0, int(r)) if str(r).isdigit() else (1, str(r)))
-
-
 def memory_peaks_figure(memory: Optional[MemorySection], height: int = 340) -> go.Figure:
     """Each rank's peak by category (stacked bars, MiB), with the capacity as a line and where each peak
     happened under its bar."""
     title = "Memory at the peak, by category"
     per_rank = memory.per_rank if memory is not None else {}
-    ranks = _rank_order(per_rank)
+    # a larger job's: the highest peaks and the lowest (as the terminal's table: fmt.ranks_shown)
+    ranks, _ = ranks_shown({r: per_rank[r].peak_bytes for r in per_rank}, RANKS_SHOWN)
     if not ranks:
         return empty_figure("No memory measurements in the report.", title, 200)
+    title += ranks_shown_words(len(ranks), len(per_rank), "the highest peaks", "the lowest")
     xs = [f"rank {r}" + (f"<br>{_peak_where(per_rank[r].peak_at)}" if per_rank[r].peak_at.step is not None else "")
           for r in ranks]
     fig = go.Figure()
@@ -759,9 +756,12 @@ def step_summary_figure(steps: Optional[StepsSection], height: Optional[int] = N
     (never written over a bar), and the outlier steps as crosses at their time."""
     title = "Step timeline: median time per phase (ms); | = p50, × = outlier steps"
     per_rank = steps.per_rank if steps is not None else {}
-    ranks = [r for r in _rank_order(per_rank) if per_rank[r].count]
+    counted = [r for r in per_rank if per_rank[r].count]
+    # a larger job's: the slowest steps and the fastest (as the terminal's table: fmt.ranks_shown)
+    ranks, _ = ranks_shown({r: per_rank[r].p50_ms for r in counted}, RANKS_SHOWN)
     if not ranks:
         return empty_figure("No step records.", title, 200)
+    title += ranks_shown_words(len(ranks), len(counted), "the slowest", "the fastest")
     labels = {r: f"rank {r} · p50 {fmt_ms(per_rank[r].p50_ms)}" for r in ranks}
     ys = [labels[r] for r in ranks]
     fig = go.Figure()

@@ -445,6 +445,14 @@ def ranks_shown(keys: dict, most: int = RANKS_SHOWN) -> tuple[list, list]:
     return [r for r in ranks if r in chosen], [r for r in ranks if r not in chosen]
 
 
+def ranks_shown_words(shown: int, total: int, high: str, low: str) -> str:
+    """A figure's title's words for the ranks it draws of a larger job (``ranks_shown``): ", 8 of 16 ranks (the
+    slowest steps and the fastest)"; "" where it draws them all."""
+    if shown >= total:
+        return ""
+    return f", {shown} of {total} ranks ({high}" + (f" and {low})" if shown > 1 else ")")
+
+
 def ranks_left_out_line(left: list, keys: dict, what: str, fmt, most: int = RANKS_SHOWN) -> str:
     """The line under a table that leaves ``left`` ranks out (``ranks_shown``): how many, and what their ``what``
     figures (``keys``, formatted by ``fmt``) span; "" where none is."""
