@@ -24,17 +24,22 @@ def test_ranks_shown_known_answers():
     # the 7 highest (3, then 11 down to 6) and the lowest (0), each list in rank order
     assert shown == ["0", "3", "6", "7", "8", "9", "10", "11"] and left == ["1", "2", "4", "5"]
     assert ranks_left_out_line(left, keys, "step p50", fmt_ms) == (
-        "4 more ranks not shown, step p50 11.0 ms to 15.0 ms (shown: the 7 highest step p50 and the lowest; the JSON "
+        "4 more ranks not shown, step p50 11.0 ms to 15.0 ms (shown: the highest step p50 and the lowest; the JSON "
         "report has every rank)")
-    # a rank without a figure (no steady step) stands out: shown first of all
+    # a rank without a figure (no steady step) stands out: shown before the highest
     assert ranks_shown(keys | {"5": None})[0] == ["0", "3", "5", "7", "8", "9", "10", "11"]
+    # a rank pinned (a straggler, whose step the others' equal): shown first of all
+    assert ranks_shown(keys | {"5": None}, pin=[2]) == (["0", "2", "3", "5", "8", "9", "10", "11"],
+                                                        ["1", "4", "6", "7"])
     assert ranks_shown(keys, most=1) == (["3"], [r for r in map(str, range(12)) if r != "3"])
     few = {"0": 1.0, "1": None}
     assert ranks_shown(few) == (["0", "1"], []) and ranks_left_out_line([], few, "peak", str) == ""
     # equal figures: the left-out line names the one value
     assert ranks_left_out_line(["4", "5"], {"4": 2.0, "5": 2.0}, "peak", fmt_ms) == (
-        "2 more ranks not shown, peak 2.00 ms (shown: the 7 highest peak and the lowest; the JSON report has every "
+        "2 more ranks not shown, peak 2.00 ms (shown: the highest peak and the lowest; the JSON report has every "
         "rank)")
+    assert ranks_left_out_line(["4"], {"4": 2.0}, "step p50", fmt_ms, "and any straggler").endswith(
+        "(shown: the highest step p50 and the lowest, and any straggler; the JSON report has every rank)")
 
 
 def _sixteen_ranks() -> dict:
@@ -92,3 +97,29 @@ def test_the_figures_of_sixteen_ranks_draw_eight():
     assert len(peaks.data[0].x) == RANKS_SHOWN and any(x.startswith("rank 13<br>") for x in peaks.data[0].x)
     assert peaks.layout.title.text.startswith("Memory at the peak, by category, 8 of 16 ranks (the highest peaks and "
                                               "the lowest)")
+
+
+def test_a_straggler_is_shown_whatever_its_step():
+    """In a synchronous job every rank's step is as long as the straggler's (the others wait for it): a 16-rank gloo
+    run's rank 11, late by 300 ms a step, had the 6th-highest step p50 of the 16 (a table keyed by the step alone can
+    leave it out). The stragglers are pinned in the step, throughput and verdict tables and the figures."""
+    from fsdp_doctor.present import figures as F
+    from fsdp_doctor.report_sections import Report
+
+    rep = _sixteen_ranks()
+    rep["steps"]["stragglers"] = [{"rank": 1, "phase": "outside", "steps_slower": 5, "steps": 5, "own_ms_p50": 907.9,
+                                   "others_own_ms_p50": 598.9, "excess_ms_per_step": 309.1,
+                                   "phase_excess_ms_per_step": 302.0}]
+    rep["verdict"]["job"]["read_on"] = 1
+    console = Console(width=100, record=True, color_system=None)
+    render_report(rep, console)
+    text = console.export_text()
+    for start, end in (("Verdict: % of the step", "Exposed communication"), ("Step time per rank", "Throughput"),
+                       ("Throughput", "FSDP units")):
+        part = text[text.index(start):text.index(end, text.index(start))]
+        ranks = [ln.split()[0] for ln in part.splitlines() if ln.strip() and ln.split()[0].isdigit()
+                 and "ranks" not in ln]
+        assert "1" in ranks and "13" in ranks and len(ranks) == RANKS_SHOWN, (start, part)
+    r = Report.of(rep)
+    assert "rank 1 · p50 138.8 ms" in F.step_summary_figure(r.steps).data[0].y
+    assert any(y.startswith("rank 1 ·") for y in F.verdict_figure(r.verdict).data[0].y)

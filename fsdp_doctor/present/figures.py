@@ -638,7 +638,9 @@ def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_r
         return empty_figure("No verdict yet: it needs step records or a profiled window.", "Verdict", 200)
     per_rank, job = section.per_rank, section.job
     keys = [str(rank)] if rank is not None and str(rank) in per_rank else list(per_rank)
-    shown, _ = ranks_shown({r: per_rank[r].step_ms for r in keys}, max_ranks)  # (the table's: the slowest, the fastest)
+    # (the table's: the straggler, the slowest, the fastest)
+    shown, _ = ranks_shown({r: per_rank[r].step_ms for r in keys}, max_ranks,
+                           pin=() if job.read_on is None else [job.read_on])
     rows = [(f"rank {r} · {fmt_ms(per_rank[r].step_ms)}" if per_rank[r].step_ms is not None
              else f"rank {r}", per_rank[r]) for r in shown]
     if len(per_rank) > 1:
@@ -757,8 +759,9 @@ def step_summary_figure(steps: Optional[StepsSection], height: Optional[int] = N
     title = "Step timeline: median time per phase (ms); | = p50, × = outlier steps"
     per_rank = steps.per_rank if steps is not None else {}
     counted = [r for r in per_rank if per_rank[r].count]
-    # a larger job's: the slowest steps and the fastest (as the terminal's table: fmt.ranks_shown)
-    ranks, _ = ranks_shown({r: per_rank[r].p50_ms for r in counted}, RANKS_SHOWN)
+    # a larger job's: the slowest steps and the fastest, and the stragglers (as the terminal's table: fmt.ranks_shown)
+    ranks, _ = ranks_shown({r: per_rank[r].p50_ms for r in counted}, RANKS_SHOWN,
+                           pin=[s.rank for s in steps.stragglers])
     if not ranks:
         return empty_figure("No step records.", title, 200)
     title += ranks_shown_words(len(ranks), len(counted), "the slowest", "the fastest")

@@ -427,17 +427,22 @@ def rank_order(rank) -> int:
     return int(rank) if str(rank).isdigit() else -1
 
 
-def ranks_shown(keys: dict, most: int = RANKS_SHOWN) -> tuple[list, list]:
+def ranks_shown(keys: dict, most: int = RANKS_SHOWN, pin=()) -> tuple[list, list]:
     """(shown, left out), each in rank order, of the ranks ``keys`` gives a figure for (None: none known): every rank
-    where there are ``most`` or fewer; else the ranks without a figure (a rank that recorded no steady step stands
-    out), the ``most - 1`` with the highest figure, and the one with the lowest (``most`` 1: the highest). (A 16-rank run's step, throughput
+    where there are ``most`` or fewer; else the ranks of ``pin`` (a straggler: in a synchronous job every rank's step
+    is as long as its, a 16-rank run's rank 11 late by 300 ms a step had the 6th-highest p50), the ranks without a
+    figure (a rank that recorded no steady step stands out), the ``most - 1`` with the highest figure, and the one
+    with the lowest (``most`` 1: the highest). (A 16-rank run's step, throughput
     and communication tables and peak lines listed every rank, and the memory table dropped all but the first 4
     ranks at 100 columns, naming the other 12: at a 512-rank job's scale, pages of rows.)"""
     ranks = sorted(keys, key=rank_order)
     if len(ranks) <= most:
         return ranks, []
     known = sorted((r for r in ranks if keys[r] is not None), key=lambda r: -keys[r])  # (ties: in rank order)
-    pick = [r for r in ranks if keys[r] is None][:most]
+    pinned = {str(p) for p in pin}
+    pick = [r for r in ranks if str(r) in pinned][:most]
+    pick += [r for r in ranks if keys[r] is None and r not in pick][:most - len(pick)]
+    known = [r for r in known if r not in pick]
     pick += known[:max(0, most - (1 if most > 1 else 0) - len(pick))]
     if len(pick) < most and known and known[-1] not in pick:
         pick.append(known[-1])
@@ -453,16 +458,17 @@ def ranks_shown_words(shown: int, total: int, high: str, low: str) -> str:
     return f", {shown} of {total} ranks ({high}" + (f" and {low})" if shown > 1 else ")")
 
 
-def ranks_left_out_line(left: list, keys: dict, what: str, fmt, most: int = RANKS_SHOWN) -> str:
+def ranks_left_out_line(left: list, keys: dict, what: str, fmt, also: str = "") -> str:
     """The line under a table that leaves ``left`` ranks out (``ranks_shown``): how many, and what their ``what``
-    figures (``keys``, formatted by ``fmt``) span; "" where none is."""
+    figures (``keys``, formatted by ``fmt``) span; ``also``: the ranks pinned, in words; "" where none is left
+    out."""
     if not left:
         return ""
     vals = [keys[r] for r in left if keys[r] is not None]
     lo, hi = (min(vals), max(vals)) if vals else (None, None)
     span = "" if lo is None else f", {what} {fmt(lo)}" + ("" if fmt(lo) == fmt(hi) else f" to {fmt(hi)}")
-    return (f"{len(left)} more ranks not shown{span} (shown: the {most - 1} highest {what} and the lowest; the JSON "
-            "report has every rank)")
+    return (f"{len(left)} more ranks not shown{span} (shown: the highest {what} and the lowest"
+            + (f", {also}" if also else "") + "; the JSON report has every rank)")
 
 
 def verdict_share(entry: VerdictEntry, column: str) -> float:
@@ -507,7 +513,8 @@ def verdict_rows(section: Verdict, max_ranks: int = VERDICT_MAX_RANKS) -> list[t
                 *(f"{verdict_share(v, c):.1f}" for c in VERDICT_COLUMNS))
 
     sec = section
-    shown, left = ranks_shown({r: v.step_ms for r, v in sec.per_rank.items()}, max_ranks)
+    shown, left = ranks_shown({r: v.step_ms for r, v in sec.per_rank.items()}, max_ranks,
+                              pin=() if sec.job.read_on is None else [sec.job.read_on])  # (the straggler)
     out = [row(str(r), sec.per_rank[r]) for r in shown]
     if left:
         out.append((f"+{len(left)}", "more ranks", *[""] * (len(VERDICT_HEADER) - 2)))
@@ -571,8 +578,14 @@ def no_steady_text(section: StepsSection) -> str | None:
 
 def steps_keys(section: StepsSection) -> dict:
     """Each rank's step p50 (ms; None without a steady step): the key ``ranks_shown`` picks the step and throughput
-    tables' ranks by."""
+    tables' ranks by (the stragglers pinned: ``steps_ranks``)."""
     return {r: st.p50_ms if st.count else None for r, st in section.per_rank.items()}
+
+
+def steps_ranks(section: StepsSection) -> tuple[list, list]:
+    """The step and throughput tables' ranks, (shown, left out): ``ranks_shown`` by step p50, the stragglers
+    always."""
+    return ranks_shown(steps_keys(section), pin=[s.rank for s in section.stragglers])
 
 
 def steps_rows(section: StepsSection, ranks: Optional[list] = None) -> list[tuple[str, ...]]:

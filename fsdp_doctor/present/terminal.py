@@ -17,7 +17,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   outliers_title, predicted_text, printable_report, run_facts, run_warnings, short_unit_labels, steps_rows,
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_steps, verdict_title,
-                  units_hooks_timed_note, ranks_left_out_line, ranks_shown, steps_keys,
+                  units_hooks_timed_note, ranks_left_out_line, ranks_shown, steps_keys, steps_ranks,
                   fit_comments, fixes_note, problem_line)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
@@ -67,6 +67,9 @@ def _verdict_drop(column: str, cells: list) -> int:
     return drop
 
 
+_STRAGGLERS = "and any straggler"  # (fmt.steps_ranks pins them)
+
+
 def render_steps(section: StepsSection, width: int = 100):
     """``section``: ``report.steps``."""
     sec = section or StepsSection()
@@ -74,14 +77,14 @@ def render_steps(section: StepsSection, width: int = 100):
             Col("cv"), Col("fwd", drop=1), Col("bwd", drop=1), Col("optim", drop=1), Col("outside", drop=1),
             Col("GC", drop=1)]
     keys = steps_keys(sec)
-    shown, left = ranks_shown(keys)
+    shown, left = steps_ranks(sec)
     rows = steps_rows(sec, shown)
     if steps_traced(sec):  # no phase split from a trace: those columns would only hold dashes
         cols, rows = cols[:7], [r[:7] for r in rows]
     none = no_steady_text(sec)
     items = [Text(none) if none else fitted_table(steps_title(sec), cols, rows, width)]
     # (a line of its own under the table, not its caption, which wraps at the table's width: render_throughput)
-    if not none and (line := ranks_left_out_line(left, keys, "step p50", fmt_ms)):
+    if not none and (line := ranks_left_out_line(left, keys, "step p50", fmt_ms, _STRAGGLERS)):
         items.append(Text(line, style="dim"))
     items += [Text(line) for _, line in apart_texts(sec)]
     if sec.outliers:
@@ -94,19 +97,19 @@ def render_steps(section: StepsSection, width: int = 100):
     return Group(*items)
 
 
-def render_throughput(section: ThroughputSection, width: int = 100):
+def render_throughput(section: ThroughputSection, width: int = 100, steps: StepsSection | None = None):
     """``section``: ``report.throughput``; a figure not known is "—" (MFU: model FLOPs; HFU: with activation
-    checkpointing's recompute)."""
+    checkpointing's recompute). ``steps``: ``report.steps``, whose table's ranks a larger job's shows."""
     sec = section or ThroughputSection()
-    # (the step table's ranks: the slowest steps, the fastest)
     keys = {r: row.step_p50_ms for r, row in sec.per_rank.items()}
-    shown, left = ranks_shown(keys)
+    shown, left = steps_ranks(steps) if steps is not None and steps.per_rank else ranks_shown(keys)
+    shown, left = [r for r in shown if r in keys], [r for r in left if r in keys]
     rows = throughput_rows(sec, shown)
     cols = [Col(h, drop=1 if h == "HFU" else 0) for h in THROUGHPUT_HEADER]
     table = fitted_table("Throughput", cols, rows, width, styles=["bold" if r[0] == "job" else None for r in rows])
     # the note under the table, not its caption: a caption wraps at the table's width ("job tokens/s: paced by the
     # slowest rank, rank 1 (step p50 …)" over three lines of 40 columns on a 200-column terminal: a new-user trial)
-    notes = [ranks_left_out_line(left, keys, "step p50", fmt_ms), throughput_note(sec)]
+    notes = [ranks_left_out_line(left, keys, "step p50", fmt_ms, _STRAGGLERS), throughput_note(sec)]
     return Group(table, *(Text(n, style="dim") for n in notes if n))
 
 
@@ -215,7 +218,7 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
     if report.steps is not None or report.trace_steps is not None:
         console.print(render_steps(report.steps or report.trace_steps, w))
     if report.throughput is not None:
-        console.print(render_throughput(report.throughput, w))
+        console.print(render_throughput(report.throughput, w, report.steps))
     if report.unit_rows():
         console.print(render_units(report.unit_rows(), w))
     if report.memory_section() is not None:
