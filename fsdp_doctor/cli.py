@@ -115,8 +115,10 @@ def cmd_analyze(ns: argparse.Namespace) -> int:
     if _onto_input(outputs, path, run, "analysed"):
         return EXIT_BAD_INPUT
     if not has_input(run):
+        from .present.fmt import folded_problems
+
         _err(unusable_reason(path, run, None))
-        for p in run.problems:
+        for p in folded_problems(run.problems):
             _err(p)
         return EXIT_BAD_INPUT
     note = None
@@ -373,10 +375,10 @@ def cmd_compare(ns: argparse.Namespace) -> int:
                   path_b=ns.run_b)
     cmp.notes[:0] = windowed
     # what each side skipped, named (exit 3 said something was, and nothing said what: a new-user trial)
-    from .present.fmt import problem_line
+    from .present.fmt import folded_problems, problem_line
 
     skipped = [problem_line(p, f"({name}, {side.path})") for name, side in (("A", cmp.a), ("B", cmp.b))
-               for p in side.problems]
+               for p in folded_problems(side.problems)]
 
     def html(p):
         from .present.compare_html import write_compare_html
@@ -609,12 +611,12 @@ def cmd_tensorboard(ns: argparse.Namespace) -> int:
         _err(f"{e.filename or out}: cannot write the TensorBoard events there ({e.strerror or e}); --out DIR writes "
              "them elsewhere")
         return EXIT_BAD_INPUT
-    from .present.fmt import problem_line
+    from .present.fmt import folded_problems, problem_line
     from .units import printable
 
     for d in dirs:
         print(f"wrote {d}")
-    for p in problems:  # one line each, as analyze's
+    for p in folded_problems(problems):  # one line each, as analyze's
         print(printable(problem_line(p)))
     print(f"open with: {_command('tensorboard')} --logdir {out}")
     return EXIT_PARTIAL if problems else EXIT_OK

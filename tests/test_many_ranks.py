@@ -123,3 +123,18 @@ def test_a_straggler_is_shown_whatever_its_step():
     r = Report.of(rep)
     assert "rank 1 · p50 138.8 ms" in F.step_summary_figure(r.steps).data[0].y
     assert any(y.startswith("rank 1 ·") for y in F.verdict_figure(r.verdict).data[0].y)
+
+
+def test_problems_that_differ_only_in_their_rank_are_one_line():
+    """A 16-rank run traced on rank 0 only listed 15 "skipped: profiler/rankN.6.pt.trace.json.gz: ... missing"
+    lines (a 512-rank job's: 511). Lines naming one rank each, alike but for it, fold from three on; the rest stay."""
+    from fsdp_doctor.present.fmt import folded_problems
+
+    missing = [f"profiler/rank{r}.6.pt.trace.json.gz: the profiler window of rank {r}, steps 6–7, is listed in its "
+               "records but the file is missing; not analysed" for r in (1, 2, 3, 5, 6, 9)]
+    other = "rank 4 stopped first, after step 69"
+    both = "rank0.records.jsonl: rank 0 and rank 1 disagree"
+    assert folded_problems([missing[0], other, *missing[1:], both]) == [
+        missing[0] + " (the same for ranks 2–3, 5–6, 9)", other, both]
+    assert folded_problems(missing[:2]) == missing[:2]  # (two stay two)
+    assert folded_problems([both] * 3) == [both] * 3  # (naming two ranks: never folded)

@@ -7,6 +7,7 @@ bandwidth in decimal units (MB/s, GB/s: powers of 1000, as NCCL's and nccl-tests
 
 from __future__ import annotations
 
+import re
 import statistics
 from typing import NamedTuple, Optional
 
@@ -18,8 +19,8 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, C
 from ..trace.model import OTHER_UNIT
 from ..units import (CODE_WIDTH, MISSING, ROOT_LABEL, RUN_END_TAIL, WRAPPER_SEGMENTS, fit_comments, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
                      fmt_mesh, fmt_ms, fmt_pct, fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us,
-                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, shift_at, steps_phrase,
-                     unit_label)
+                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, runs, shift_at,
+                     steps_phrase, unit_label)
 
 
 SKIPPED_TAIL = "; skipped"  # the store's and the trace admission's own ending of a problem that left a file out
@@ -37,6 +38,32 @@ def problem_line(p: str, side: str = "") -> str:
     new-user trial's first reading). ``side``: compare's "(A, PATH)"."""
     lead = "run ended" if p.endswith(RUN_END_TAIL) else "skipped"
     return f"{lead}{f' {side}' if side else ''}: {problem_text(p)}"
+
+
+_RANK_IN_TEXT = re.compile(r"(?<![A-Za-z])(rank ?)(\d+)")  # "rank 3", "rank3.6.pt.trace.json.gz"
+
+
+def folded_problems(problems: list[str], least: int = 3) -> list[str]:
+    """``report.problems`` with those that differ only in the rank they name (each naming one rank, as many times as
+    it likes) folded into the first of them, from ``least`` such on: "... rank 1 ... (the same for ranks 2–15)". A
+    16-rank run traced on rank 0 only listed 15 "skipped: profiler/rankN.6.pt.trace.json.gz: ... missing" lines,
+    a 512-rank job's would be 511; the JSON keeps each."""
+    groups: dict[object, list[tuple[int, str]]] = {}
+    for i, p in enumerate(problems):
+        ranks = {int(m.group(2)) for m in _RANK_IN_TEXT.finditer(p)}
+        if len(ranks) == 1:
+            groups.setdefault(_RANK_IN_TEXT.sub(lambda m: m.group(1) + "#", p), []).append((ranks.pop(), p))
+        else:  # (naming no rank or several: a line of its own)
+            groups[i] = [(-1, p)]
+    out = []
+    for members in groups.values():
+        if len(members) < least:
+            out += [p for _, p in members]
+            continue
+        rest = sorted(r for r, _ in members[1:])
+        ranges = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs(rest))
+        out.append(f"{members[0][1]} (the same for ranks {ranges})")
+    return out
 
 
 def printable_report(report: Report) -> Report:

@@ -18,7 +18,7 @@ from .fmt import (fix_heading, fix_inputs, THROUGHPUT_HEADER, TRACE_UNITS_HEADER
                   steps_title, steps_traced, no_steady_text, straggler_text, throughput_note, throughput_rows,
                   trace_units_title, units_not_run_note, verdict_headline, verdict_rows, verdict_steps, verdict_title,
                   units_hooks_timed_note, ranks_left_out_line, ranks_shown, steps_keys, steps_ranks,
-                  fit_comments, fixes_note, problem_line)
+                  fit_comments, fixes_note, folded_problems, problem_line)
 
 SEVERITY_STYLE = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
 
@@ -239,5 +239,7 @@ def render_report(report: Report | dict, console: Console | None = None) -> None
             # code lines are never folded: the terminal wraps a long one on screen, a copy stays one line
             console.print(item, soft_wrap=isinstance(item, Syntax))
         console.print()
-    for p in report.problems:  # one line each, never folded (as code lines): a copy or a grep gets it whole
+    # one line each, never folded (as code lines): a copy or a grep gets it whole; a larger job's lines that differ
+    # only in the rank they name, one line (fmt.folded_problems)
+    for p in folded_problems(report.problems):
         console.print(Text(problem_line(p), style="yellow"), soft_wrap=True)
