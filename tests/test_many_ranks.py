@@ -138,3 +138,32 @@ def test_problems_that_differ_only_in_their_rank_are_one_line():
         missing[0] + " (the same for ranks 2–3, 5–6, 9)", other, both]
     assert folded_problems(missing[:2]) == missing[:2]  # (two stay two)
     assert folded_problems([both] * 3) == [both] * 3  # (naming two ranks: never folded)
+
+
+def test_the_dashboards_step_figures_of_sixteen_ranks_draw_eight_unless_filtered():
+    """The Steps and Memory pages' per-rank lines: every rank of a job drawn (a 512-rank job: 512 lines) where the
+    rank filter is empty; the ranks fmt.ranks_shown picks by their median step (or peak) instead, the title saying
+    so, every rank the filter names; the rank × step heatmap keeps every row."""
+    from fsdp_doctor.pipeline import steps_columns
+    from fsdp_doctor.store import load_run
+    from fsdp_doctor.present import figures as F
+
+    base = steps_columns(load_run(SAMPLE.parent))[0]
+    steps = {}
+    for r in range(16):  # rank 6's steps the slowest and its peaks the highest, rank 2's the fastest and lowest
+        cols = copy.deepcopy(base)
+        f = 3.0 if r == 6 else 0.5 if r == 2 else 1 + r / 100
+        cols["wall_ms"] = [v * f for v in cols["wall_ms"]]
+        cols["peak_bytes"] = [None if v is None else int(v * f) for v in cols["peak_bytes"]]
+        steps[r] = cols
+    fig = F.step_time_figure(steps)
+    names = [t.name for t in fig.data]
+    assert len(names) == RANKS_SHOWN and "rank 6" in names and "rank 2" in names and "rank 1" not in names, names
+    assert ", 8 of 16 ranks (the slowest and the fastest); the rank filter draws others" in fig.layout.title.text
+    assert [t.name for t in F.step_time_figure(steps, ranks=[1, 3]).data] == ["rank 1", "rank 3"]
+    assert "of 16 ranks" not in F.step_time_figure(steps, ranks=[1, 3]).layout.title.text
+    mem = F.memory_per_step_figure(steps)
+    assert {t.name.split(" peak")[0] for t in mem.data if t.name.endswith("peak")} >= {"rank 6", "rank 2"}
+    assert len({t.name.split(" ")[1] for t in mem.data}) == RANKS_SHOWN
+    assert len(F.jitter_histogram(steps).data) == RANKS_SHOWN
+    assert len(F.step_heatmap(steps).data[0].y) == 16

@@ -87,12 +87,32 @@ def _in_window(step: int, window: Optional[Sequence[int]]) -> bool:
     return window is None or window[0] <= step <= window[1]
 
 
-def _select_ranks(steps: dict, ranks: Optional[Iterable[int]]) -> list[int]:
+def _select_ranks(steps: dict, ranks: Optional[Iterable[int]], key: Optional[str] = None, window=None) -> list[int]:
+    """The ranks a per-rank figure draws: ``ranks`` (the dashboard's filter), else every rank; a larger job's, with
+    ``key`` (a step column), those fmt.ranks_shown picks by its median over ``window`` (the highest and the lowest:
+    a 512-rank job drew 512 lines)."""
     keys = sorted(int(r) for r in steps)
-    if ranks is None:
+    if ranks is not None:
+        want = {int(r) for r in ranks}
+        return [r for r in keys if r in want]
+    if key is None or len(keys) <= RANKS_SHOWN:
         return keys
-    want = {int(r) for r in ranks}
-    return [r for r in keys if r in want]
+    meds = {}
+    for r in keys:
+        cols = _cols(steps, r)
+        col = cols.get(key) or []
+        vals = [col[i] for i in _rows(cols, window) if i < len(col) and col[i] is not None]
+        meds[r] = _median(vals) if vals else None
+    return [int(r) for r in ranks_shown(meds)[0]]
+
+
+def _ranks_words(sel: list, steps: dict, ranks, high: str, low: str) -> str:
+    """A figure's title's words for the ranks ``_select_ranks`` drew of a larger job ("" where every rank or the
+    filter's)."""
+    if ranks is not None:
+        return ""
+    words = ranks_shown_words(len(sel), len(steps), high, low)
+    return words and words + "; the rank filter draws others"
 
 
 def _cols(steps: dict, rank) -> dict:
@@ -147,7 +167,7 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
     """Step wall time per rank over steps; profiled steps (tool overhead inside) drawn hollow; ``shift`` (the report's
     ``LevelShift``, None: none) a dashed line where the step time changed and stayed, each part's median across it,
     or, where it grew or fell steadily, a dotted line along it."""
-    sel = _select_ranks(steps, ranks)
+    sel = _select_ranks(steps, ranks, "wall_ms", window)
     k = _group_size(cols["step"][i] for r in sel for cols in [_cols(steps, r)]
                     for i in _rows(cols, window))
     fig = go.Figure()
@@ -195,7 +215,8 @@ def step_time_figure(steps: dict, ranks=None, window=None, height: int = 340, sh
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text="wall time (ms)", rangemode="tozero")
     return _layout(fig, _grouped_title("Step time per rank (grey band, hollow: profiled steps; their time is the "
-                                       "tool's)", k, "each group's fastest and slowest step"), height)
+                                       "tool's)" + _ranks_words(sel, steps, ranks, "the slowest", "the fastest"), k,
+                                       "each group's fastest and slowest step"), height)
 
 
 def memory_per_step_figure(steps: dict, ranks=None, window=None, height: int = 300) -> go.Figure:
@@ -203,7 +224,9 @@ def memory_per_step_figure(steps: dict, ranks=None, window=None, height: int = 3
     (dotted): flat in a healthy run, rising where the loop keeps something from every step (memory.growing)."""
     title = "Memory per step: each step's peak (solid) and, on CUDA, allocated at its end (dotted)"
     fig = go.Figure()
-    for r in _select_ranks(steps, ranks):
+    sel = _select_ranks(steps, ranks, "peak_bytes", window)
+    title += _ranks_words(sel, steps, ranks, "the highest peaks", "the lowest")
+    for r in sel:
         cols = _cols(steps, r)
         idx = _rows(cols, window)
         for key, name, dash in (("peak_bytes", "peak", "solid"), ("allocated_end", "allocated at the end", "dot")):
@@ -278,7 +301,7 @@ def _steady(cols: dict, i: int) -> bool:
 def jitter_histogram(steps: dict, ranks=None, window=None, height: int = 320) -> go.Figure:
     """Distribution of each steady-state step's deviation from its rank's median (the steps the step statistics
     use: the first, profiled ones and full memory counts left out)."""
-    sel = _select_ranks(steps, ranks)
+    sel = _select_ranks(steps, ranks, "wall_ms", window)
     fig = go.Figure()
     for r in sel:
         cols = _cols(steps, r)
@@ -307,7 +330,7 @@ def jitter_histogram(steps: dict, ranks=None, window=None, height: int = 320) ->
     fig.update_layout(barmode="overlay")
     fig.update_xaxes(title_text="ms from the rank's median step")
     fig.update_yaxes(title_text="steps")
-    return _layout(fig, "Step-time jitter", height)
+    return _layout(fig, "Step-time jitter" + _ranks_words(sel, steps, ranks, "the slowest", "the fastest"), height)
 
 
 def step_heatmap(steps: dict, ranks=None, window=None, height: int = 300) -> go.Figure:
