@@ -16,7 +16,7 @@ import plotly.io as pio
 from fsdp_doctor import memory_categories as MC
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (UNKNOWN, VERDICT_MAX_RANKS, RANKS_SHOWN, ranks_shown, ranks_shown_words, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
+from fsdp_doctor.present.fmt import (UNKNOWN, RANKS_SHOWN, ranks_shown, ranks_shown_words, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
                                      verdict_share, verdict_steps, verdict_title)
 from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemorySection, OverlapRank,
                                          StepsSection, UnitRow, Verdict)
@@ -650,7 +650,7 @@ def overlap_by_rank_figure(per_rank: dict[str, OverlapRank], ranks=None, height:
 # ---------------------------------------------------------------- verdict
 
 
-def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_ranks: int = VERDICT_MAX_RANKS,
+def verdict_figure(section: Optional[Verdict], rank: Optional[int] = None, max_ranks: int = RANKS_SHOWN,
                    height: Optional[int] = None) -> go.Figure:
     """The verdict (``report.verdict``) as one stacked horizontal bar per rank and one for the job: the share
     of the step (%) of each kind, one colour per kind (VERDICT_COLORS), labelled in % (the terminal's figures,

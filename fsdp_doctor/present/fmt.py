@@ -446,7 +446,6 @@ VERDICT_SEGMENTS = tuple(k for k in VERDICT_PARTS if k != "comm")  # the bar's s
 #: slowest steps, the highest peaks, the most exposed communication) and the other end beside them; one line says
 #: how many are left out and what their figures span. The JSON report keeps every rank.
 RANKS_SHOWN = 8
-VERDICT_MAX_RANKS = RANKS_SHOWN  # (the verdict's table and bars)
 
 
 def rank_order(rank) -> int:
@@ -459,9 +458,9 @@ def ranks_shown(keys: dict, most: int = RANKS_SHOWN, pin=()) -> tuple[list, list
     where there are ``most`` or fewer; else the ranks of ``pin`` (a straggler: in a synchronous job every rank's step
     is as long as its, a 16-rank run's rank 11 late by 300 ms a step had the 6th-highest p50), the ranks without a
     figure (a rank that recorded no steady step stands out), the ``most - 1`` with the highest figure, and the one
-    with the lowest (``most`` 1: the highest). (A 16-rank run's step, throughput
-    and communication tables and peak lines listed every rank, and the memory table dropped all but the first 4
-    ranks at 100 columns, naming the other 12: at a 512-rank job's scale, pages of rows.)"""
+    with the lowest (``most`` 1: the highest). A 16-rank run's step, throughput and communication tables and peak
+    lines listed every rank, and its memory table at 100 columns kept ranks 0-3, naming the other 12: at a 512-rank
+    job's scale, pages of rows."""
     ranks = sorted(keys, key=rank_order)
     if len(ranks) <= most:
         return ranks, []
@@ -531,7 +530,7 @@ def verdict_steps(section: Verdict) -> str:
 VERDICT_HEADER = ("rank", "bound", "step", *VERDICT_COLUMNS)
 
 
-def verdict_rows(section: Verdict, max_ranks: int = VERDICT_MAX_RANKS) -> list[tuple[str, ...]]:
+def verdict_rows(section: Verdict, max_ranks: int = RANKS_SHOWN) -> list[tuple[str, ...]]:
     """The verdict's table rows (VERDICT_HEADER's columns, as text): ``max_ranks`` ranks (``ranks_shown``: the
     slowest steps and the fastest), a "+N more ranks" row, and the job's row (first cell "job") when there is more
     than one rank."""
