@@ -426,3 +426,31 @@ def test_a_run_whose_only_window_was_lost_says_so_where_trace_rules_are_skipped(
     reasons = {r.reason for r in rep.rules if r.status == "skipped" and r.reason.startswith("needs a torch.profiler")}
     assert reasons == {"needs a torch.profiler trace; this run has none: its profiler window at steps 6-7 was not "
                        "saved ([Errno 28] No space left on device)"}, reasons
+
+
+def test_a_rank_outside_profile_ranks_marks_the_same_window_steps_with_no_profiler(tmp_path):
+    """watch(profile_ranks=[0]): rank 1's windows open, close and are taken again as rank 0's do (its steps in them
+    left out of its statistics: it waits in its collectives for rank 0's slower steps), the export's step after each
+    window counted as rank 0's is, with no profiler started and no trace written."""
+    sched = ProfileSchedule(first=2, active=2, warmup=1, every=6)
+    evaluated = {2, 4}  # the first window taken again twice, as in the test above; the second, from step 12, kept
+    runs = {}
+    for rank, dry in ((0, False), (1, True)):
+        saved, marked, exported = [], [], []
+        w = ProfilerWindows(tmp_path, rank, resolve_profile(sched), lambda s, path: saved.append(s), dry=dry)
+        w.start()
+        for step in range(16):
+            _work()
+            if w.is_profiled(step):
+                marked.append(step)
+            if dry:
+                assert w.prof is None and other_profiler() is None
+            if w.step(evaluated=step in evaluated):
+                exported.append(step)
+        w.stop()
+        runs[rank] = (marked, exported, saved)
+    assert runs[0][:2] == runs[1][:2], runs  # the same steps marked, the same export steps
+    assert runs[0][0] == [1, 2, 3, 4, 5, 6, 7, 11, 12, 13] and runs[0][1] == [7, 13], runs[0]
+    assert runs[0][2] == [[6, 7], [12, 13]] and runs[1][2] == []
+    assert sorted(p.name for p in tmp_path.glob("profiler/*")) == ["rank0.12.pt.trace.json.gz",
+                                                                   "rank0.6.pt.trace.json.gz"]

@@ -682,6 +682,16 @@ def test_watch_takes_a_budget_as_a_whole_number_of_bytes_or_refuses_it_in_one_li
         opts(capacity_bytes=True)
     with pytest.raises(ValueError, match="tokens_per_step must be a positive number, got 0"):
         opts(tokens_per_step=0)
+    # profile_ranks: an int or ints (any iterable, a generator's too), as a sorted tuple; anything else one line
+    assert opts(profile_ranks=3).profile_ranks == (3,)
+    assert opts(profile_ranks=(r for r in [8, 0])).profile_ranks == (0, 8) and opts().profile_ranks is None
+    for bad in ("0", [], [-1], [0.5], [True]):
+        with pytest.raises(ValueError, match=r"^fsdp_doctor.watch: profile_ranks takes one or more ranks, ints from "
+                                             r"0, not "):
+            opts(profile_ranks=bad)
+    with pytest.raises(TypeError, match=r"^fsdp_doctor.watch: profile_ranks takes ranks \(an int or a list of "
+                                        r"ints\), not 1.0$"):
+        opts(profile_ranks=1.0)
 
 
 def test_a_root_unsharded_at_the_first_forward_holds_no_unmanaged_parameters(gloo_one_rank):

@@ -622,3 +622,20 @@ def test_earlier_runs_kept_aside_never_overwrite_each_other(sample_run_path, tmp
     assert (first / "rank0.records.jsonl").read_bytes() == (sample_run_path / "rank0.records.jsonl").read_bytes()
     assert (second / "rank0.records.jsonl").read_text() == "{}\n" and (first / "profiler").is_dir()
     assert layout.previous_runs(d) == [first, second]
+
+
+def test_profile_ranks_keeps_the_traces_of_those_ranks_alone(tmp_path):
+    """watch(profile_ranks=[0]) on 2 ranks: rank 0's window traced, rank 1 none, and no problem said of it; both
+    ranks leave the window's steps and the export's step out of their statistics (rank 1 waits in its collectives
+    for rank 0's slower steps), and the report reads rank 0's trace beside rank 1's records."""
+    from fsdp_doctor.analyze import build_report
+
+    _, run = record(tmp_path / "r", steps=12, watch_extra={"profile_ranks": [0]})
+    assert [p.name for p in (tmp_path / "r" / "profiler").iterdir()] == ["rank0.6.pt.trace.json.gz"]
+    assert [w.steps for w in run.ranks[0].profiles] == [[6, 7]] and run.ranks[1].profiles == []
+    marked = {r: [s.step for s in rd.steps if s.profiled] for r, rd in run.ranks.items()}
+    assert marked[0] == marked[1] and {6, 7, 8} <= set(marked[1]), marked
+    report = build_report(run)
+    assert report.problems == [] and report.verdict.per_rank["0"].source == "trace"
+    assert report.verdict.per_rank["1"].source == "records"
+    assert "(from the traces of rank 0; the others' from their records)" in report.verdict.job.summary

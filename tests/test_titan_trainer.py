@@ -215,6 +215,10 @@ def test_doctor_arguments_split_from_torchtitans():
         TT.split_args(["--doctor.capacity-bytes", "lots"])
     with pytest.raises(TT.TitanArgError, match=r"--doctor\.profile takes true, false or a schedule \(first=N,"):
         TT.split_args(["--doctor.profile", "start=3"])
+    # the ranks whose windows are traced
+    assert TT.split_args(["--doctor.profile-ranks", "0,8"])[0] == {"profile_ranks": [0, 8]}
+    with pytest.raises(TT.TitanArgError, match=r"--doctor\.profile-ranks takes ranks \(0,1,8\), not 'first'"):
+        TT.split_args(["--doctor.profile-ranks", "first"])
     # a value the options refuse (a ValueError of WatchOptions, not a parse error): one line, before torchtitan starts
     # (--doctor.tokens-per-step -3 ended in a traceback: a new-user trial)
     with pytest.raises(SystemExit, match=r"^fsdp_doctor\.watch: tokens_per_step must be a positive number, got -3$"):

@@ -19,6 +19,11 @@ class WatchOptions:
         profile: torch.profiler windows: True (default schedule: 2 steps from step 6, then every 1000),
             False, a schedule callable (``torch.profiler.schedule(...)`` or :class:`ProfileSchedule`), or a
             dict of ``torch.profiler.profile`` arguments.
+        profile_ranks: the global ranks that record those windows (default: every rank). The others write no
+            trace and mark the same steps as window steps, left out of their step statistics as the profiled
+            ranks' are (their collectives wait for the profiled ranks' slower steps). A large job's traces (one
+            per rank and window) fill a shared file system; its records, on every rank, carry the step times,
+            memory and stragglers.
         tokens_per_step: tokens the whole job processes per (optimizer) step, each counted once: the ranks of a
             tensor-parallel group share theirs (enables tokens/s).
         peak_tflops: the device's peak TFLOP/s for MFU (default: a table of common GPUs).
@@ -40,6 +45,7 @@ class WatchOptions:
     out_dir: str | os.PathLike
     capacity_bytes: int | None = None
     profile: Any = True
+    profile_ranks: Any = None
     tokens_per_step: int | None = None
     peak_tflops: float | None = None
     count_flops: bool | None = None
@@ -53,6 +59,7 @@ class WatchOptions:
         # new-user trial); a number is taken as a whole count, anything else refused here, in one line
         for name in ("capacity_bytes", "tokens_per_step"):
             object.__setattr__(self, name, _count(name, getattr(self, name)))
+        object.__setattr__(self, "profile_ranks", _ranks("profile_ranks", self.profile_ranks))
 
     @property
     def counts_flops(self) -> bool:
@@ -70,6 +77,23 @@ class WatchOptions:
         if "out_dir" not in options:
             raise TypeError("fsdp_doctor.watch: out_dir is required (the run directory)")
         return cls(**options)
+
+
+def _ranks(name: str, v) -> tuple[int, ...] | None:
+    """``v`` (ranks: an int or an iterable of them) as a sorted tuple of distinct ranks, None as None; anything else
+    a ``TypeError`` or ``ValueError`` naming the option."""
+    import numbers
+
+    if v is None:
+        return None
+    try:
+        items = [v] if isinstance(v, numbers.Integral) else list(v)
+    except TypeError:
+        raise TypeError(f"fsdp_doctor.watch: {name} takes ranks (an int or a list of ints), not {v!r}") from None
+    out = sorted({int(r) for r in items if isinstance(r, numbers.Integral) and not isinstance(r, bool)})
+    if not out or len(out) != len(set(items)) or any(r < 0 for r in out):
+        raise ValueError(f"fsdp_doctor.watch: {name} takes one or more ranks, ints from 0, not {v!r}")
+    return tuple(out)
 
 
 def _count(name: str, v):

@@ -145,12 +145,16 @@ class ProfilerWindows:
     retakes = 2
 
     def __init__(self, out_dir: Path, rank: int, kwargs: dict[str, Any],
-                 on_saved: Callable[..., None]):
+                 on_saved: Callable[..., None], dry: bool = False):
         self.dir = Path(out_dir) / PROFILER_DIR
         self.dir.mkdir(parents=True, exist_ok=True)
         for old in self.dir.glob(f"rank{rank}.*.pt.trace.json*"):  # a previous run's windows of this rank
             old.unlink(missing_ok=True)
         self.rank = rank
+        # a rank outside watch(profile_ranks=...): its windows open and close, and are taken again, as the profiled
+        # ranks' do (the same steps marked profiled, left out of its statistics), with no profiler and no trace
+        self.dry = dry
+        self._dry_open = False
         self.schedule = kwargs["schedule"]
         self._offset = 0  # steps the schedule runs late by: the windows taken again (``retake``)
         self._opened_at = 0  # the step the open profiler started at
@@ -202,8 +206,16 @@ class ProfilerWindows:
     def start(self) -> None:
         self._maybe_open(self._step)
 
+    @property
+    def is_open(self) -> bool:
+        """Whether a window is open: its profiler recording, or on a dry rank the window it stands in for."""
+        return self.prof is not None or self._dry_open
+
     def _maybe_open(self, step: int) -> None:
-        if self.prof is not None or self.stepped_aside or self.action(step) == ProfilerAction.NONE:
+        if self.is_open or self.stepped_aside or self.action(step) == ProfilerAction.NONE:
+            return
+        if self.dry:
+            self._dry_open, self._opened_at = True, step
             return
         other = ("another fsdp_doctor.watch() in this process records profiler windows (a nested watch(): one "
                  "profiler per process)" if any(w is not self and w.prof is not None for w in list(_LIVE))
@@ -228,16 +240,17 @@ class ProfilerWindows:
         False: so did the step before, the loop evaluates in every step and the window keeps it); True if a trace
         was written."""
         if self.action(self._step) in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
-            if evaluated and retake and self.prof is not None and self.retakes > 0:
+            if evaluated and retake and self.is_open and self.retakes > 0:
                 self._retake()
                 return False
             self._window.append(self._step)
         saved_before = self._saved
         self._report_compressed()
         self._step += 1
-        if self.prof is not None:
-            with _quiet_profiler():
-                self.prof.step()
+        if self.is_open:
+            if self.prof is not None:
+                with _quiet_profiler():
+                    self.prof.step()
             if self.action(self._step) == ProfilerAction.NONE:  # the window is over (and was saved)
                 self._close()
                 self._collect()
@@ -261,7 +274,7 @@ class ProfilerWindows:
 
     def _collect(self) -> None:
         """The window's garbage collected now, in the doctor's own (profiled) step, not in the user's."""
-        if not self.collect_after_window:
+        if not self.collect_after_window or self.dry:  # (a dry window leaves no garbage)
             return  # (even with the collector disabled: the user's own scheduled collections would pay for it)
         t0 = time.perf_counter()
         gc.collect()
@@ -301,7 +314,7 @@ class ProfilerWindows:
         finished, so it is dropped unsaved. After an exception, the incomplete step is kept: it shows where the run
         stopped."""
         try:
-            if self.prof is not None:
+            if self.is_open:
                 self._discard = clean and not self._window
                 self._close()
         finally:
@@ -310,6 +323,13 @@ class ProfilerWindows:
             self._report_compressed(wait=True)
 
     def _close(self) -> None:
+        if self.prof is None:  # (a dry window: nothing recorded or written)
+            # counted as saved where the profiled ranks save theirs: their export runs into the next step, whose
+            # collectives this rank waits in for it (a 2-rank run's rank 1 took 338 ms in it, not marked: an outlier)
+            self._saved += not self._discard and bool(self._window)
+            self._dry_open = False
+            self._window = []
+            return
         prof, self.prof = self.prof, None
         try:
             prof.stop()

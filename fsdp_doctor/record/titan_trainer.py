@@ -93,6 +93,7 @@ _FLAG_HELP = {
                                "GPU's memory)"),
     "profile": ("true|false|first=6,active=2,warmup=1,every=1000",
                 "torch.profiler windows: on (the default schedule shown), off, or a schedule"),
+    "profile_ranks": ("RANK,RANK,...", "the ranks that record those windows' traces (default: every rank)"),
     "tokens_per_step": ("N", "tokens per optimizer step for tokens/s and MFU (default: global batch x seq_len)"),
     "peak_tflops": ("TFLOPS", "the device's peak TFLOP/s for MFU (default: a table of common GPUs)"),
     "count_flops": ("true|false", "count step 1's FLOPs for MFU (default: on, as tokens per step is known)"),
@@ -116,6 +117,11 @@ def _typed(name: str, value: str, annotation) -> object:
         return None
     if name == "profile" and "=" in value:
         return _schedule(value)
+    if name == "profile_ranks":  # (0,1,2: watch() checks them)
+        parts = [p.strip() for p in value.split(",")]
+        if parts and all(p.isdigit() for p in parts):
+            return [int(p) for p in parts]
+        raise TitanArgError(f"fsdp_doctor.titan: {DOCTOR_FLAG}profile-ranks takes ranks (0,1,8), not {value!r}")
     if name == "capacity_bytes":
         number = low.rstrip("bikmgt ")
         unit = low[len(number):].strip()

@@ -266,7 +266,9 @@ class Doctor:
         self.active = True
         if self._profile_kwargs is not None:
             try:
-                self._profiler = ProfilerWindows(self.out_dir, self.rank, self._profile_kwargs, self._on_trace_saved)
+                ranks = self.options.profile_ranks  # (None: every rank records its windows)
+                self._profiler = ProfilerWindows(self.out_dir, self.rank, self._profile_kwargs, self._on_trace_saved,
+                                                 dry=ranks is not None and self.rank not in ranks)
                 self._profiler.start()
             except Exception as e:  # noqa: BLE001
                 self._profiler = None
@@ -418,7 +420,8 @@ class Doctor:
 
     def _traced(self, step: int) -> bool:
         """Whether ``step`` falls inside a profiler window (its trace is recorded)."""
-        return self._profiler is not None and not self._profiler.stepped_aside and self._profiler.is_profiled(step)
+        return self._profiler is not None and not self._profiler.stepped_aside and not self._profiler.dry and \
+            self._profiler.is_profiled(step)
 
     def _install(self) -> None:
         if said := another_models_optimizer(self._reads, self.model, self._units):  # (a warning: training goes on)
