@@ -435,6 +435,31 @@ def test_auto_period_counts_what_a_full_step_costs_in_wall_time():
     assert 60 <= period(30) <= MAX_EVERY
 
 
+def test_every_rank_counts_memory_in_full_at_the_same_steps():
+    """Each rank sizes its own period from its own costs; a power of two, each full step at its next multiple: a
+    longer period's full steps are among a shorter one's, so the steps the statistics leave out are the same on every
+    rank. Counted where each rank's period took it, a 16-rank run's ranks left out 1-2 steps each, 10 of 14 steps in
+    all: 4 steps common to every rank, under the 5 a straggler is judged on, and its 4 slow ranks went unnamed."""
+    from fsdp_doctor.record.memory.sampler import Sampler
+
+    def full_steps(full_ms: float, wall_ms: float, steps: int = 200) -> list[int]:
+        s, t, out = Sampler("auto", 0.003, False), 0, []
+        for step in range(steps):
+            full = s.is_full(step)
+            t += int(wall_ms * 1e6)
+            s.step_wall(t)
+            if full:
+                out.append(step)
+                s.remember([(t, None, "forward_start")], [[0]])
+            s.step_cost(step, full, int(full_ms * 1e6) if full else 1_000, 0)
+        return out
+
+    a, b, c = full_steps(1.0, 100.0), full_steps(1.7, 97.0), full_steps(5.0, 103.0)
+    assert a[:3] == [0, 1, 2] and a[-3:] == [188, 192, 196] and all(x % 4 == 0 for x in a[3:]), a
+    assert all(x % 8 == 0 for x in b[3:]) and all(x % 32 == 0 for x in c[3:]), (b, c)
+    assert set(c) <= set(b) <= set(a)  # (each longer period's steps among the shorter's)
+
+
 def test_counted_steps_are_left_out_of_step_statistics():
     """A step whose memory was counted op by op pays for the dispatch mode: its time is the tool's, like a
     profiled step's (unless fewer than 3 steps would remain)."""

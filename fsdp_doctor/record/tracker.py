@@ -420,8 +420,9 @@ class Doctor:
 
     def _traced(self, step: int) -> bool:
         """Whether ``step`` falls inside a profiler window (its trace is recorded)."""
-        return self._profiler is not None and not self._profiler.stepped_aside and not self._profiler.dry and \
-            self._profiler.is_profiled(step)
+        # (on a rank outside profile_ranks too: its window steps are the traced ranks', the memory counted in full
+        # after them as theirs is, at the same steps)
+        return self._profiler is not None and not self._profiler.stepped_aside and self._profiler.is_profiled(step)
 
     def _install(self) -> None:
         if said := another_models_optimizer(self._reads, self.model, self._units):  # (a warning: training goes on)
