@@ -10,6 +10,7 @@ import copy
 import json
 from pathlib import Path
 
+import pytest
 from rich.console import Console
 
 from fsdp_doctor.present.fmt import RANKS_SHOWN, fmt_ms, ranks_left_out_line, ranks_shown
@@ -67,7 +68,8 @@ def test_a_sixteen_rank_report_shows_eight_ranks_per_table():
     text = console.export_text()
     # the step table: 8 ranks and the job, rank 13 (the slowest) among them, rank 1 (among the fastest) not
     steps = text[text.index("Step time per rank"):text.index("Throughput")]
-    ranks = [ln.split()[0] for ln in steps.splitlines() if ln.strip() and ln.split()[0].isdigit() and "ranks" not in ln]
+    ranks = [ln.split()[0] for ln in steps.splitlines()
+             if ln.strip() and ln.split()[0].isdigit() and "ranks" not in ln]
     assert len(ranks) == RANKS_SHOWN and "13" in ranks and "1" not in ranks and "0" in ranks, steps
     assert "8 more ranks not shown, step p50 " in steps, steps
     # the memory table's columns and peak lines: rank 13's highest peak shown
@@ -77,7 +79,8 @@ def test_a_sixteen_rank_report_shows_eight_ranks_per_table():
     assert "rank 4: peak" not in memory, memory
     # the communication table: rank 2, the most exposed
     comm = text[text.index("Communication per complete profiled step"):]
-    rows = [ln.split()[0] for ln in comm.splitlines()[:30] if ln.strip() and ln.split()[0].isdigit() and "ranks" not in ln]
+    rows = [ln.split()[0] for ln in comm.splitlines()[:30]
+            if ln.strip() and ln.split()[0].isdigit() and "ranks" not in ln]
     assert "2" in rows[:RANKS_SHOWN] and "8 more ranks not shown, exposed " in comm, comm
     # no line past the terminal's width
     assert max(map(len, text.splitlines())) <= 100
@@ -167,3 +170,45 @@ def test_the_dashboards_step_figures_of_sixteen_ranks_draw_eight_unless_filtered
     assert len({t.name.split(" ")[1] for t in mem.data}) == RANKS_SHOWN
     assert len(F.jitter_histogram(steps).data) == RANKS_SHOWN
     assert len(F.step_heatmap(steps).data[0].y) == 16
+
+
+def _straggler_findings(stragglers: dict[int, float], hosts: dict[int, str]):
+    """straggler.rank's findings on the 16-rank report with these stragglers ({rank: ms late a step, outside the
+    model}) on these hosts (each rank's header)."""
+    from types import SimpleNamespace
+
+    from fsdp_doctor.diagnose import RULES, Context
+    from fsdp_doctor.report_sections import Report
+    from fsdp_doctor.store import load_run
+
+    rep = _sixteen_ranks()
+    rep["steps"]["stragglers"] = [{"rank": r, "phase": "outside", "steps_slower": 10, "steps": 10,
+                                   "own_ms_p50": 600.0 + ms, "others_own_ms_p50": 600.0, "excess_ms_per_step": ms,
+                                   "phase_excess_ms_per_step": ms} for r, ms in stragglers.items()]
+    config = load_run(SAMPLE.parent).config
+    run = SimpleNamespace(config=config, path="constructed",
+                          ranks={r: SimpleNamespace(header=SimpleNamespace(host=hosts[r])) for r in range(16)})
+    rule = next(c for c in RULES if c.code == "straggler.rank")()
+    rule.config = config
+    return rule.match(Context(run=run, report=Report.of(rep)))
+
+
+def test_a_slow_hosts_stragglers_are_one_finding():
+    """A 16-rank run whose 4 ranks of one host (node-3) loaded their batches 150 ms late read four warnings, one
+    per rank. The stragglers on one host are one finding, the whole host named where they are all its ranks; a run on
+    one host (or without host names) has its stragglers in one finding; one straggler is as before."""
+    nodes = {r: f"node-{r // 4}" for r in range(16)}
+    (f,) = _straggler_findings({12: 138.3, 13: 140.2, 14: 140.6, 15: 146.6}, nodes)
+    assert f.title == ("Ranks 12–15 are stragglers (all 4 ranks of host node-3): +138.3-146.6 ms per step outside "
+                       "the model (data loading or user code)"), f.title
+    assert f.evidence["host"] == "node-3" and f.evidence["host_ranks"] == [12, 13, 14, 15]
+    # (the step gains the latest one's lateness)
+    assert f.predicted["step_ms_before"] - f.predicted["step_ms_after"] == pytest.approx(146.6, abs=1e-3)
+    assert "look at that host first" in f.recommendation.text
+    # two of node-3's ranks and one of node-1's: a finding per host, not the whole host
+    a, b = _straggler_findings({5: 90.0, 12: 138.3, 13: 140.2}, nodes)
+    assert a.title.startswith("Rank 5 is a straggler: +90.0 ms") and b.title.startswith(
+        "Ranks 12–13 are stragglers (on host node-3, of its 4 ranks): +138.3-140.2 ms"), (a.title, b.title)
+    # one host for every rank: the stragglers together, no host named
+    (c,) = _straggler_findings({3: 50.0, 9: 50.0}, {r: "vm" for r in range(16)})
+    assert c.title == "Ranks 3, 9 are stragglers: +50.0 ms per step outside the model (data loading or user code)"

@@ -16,8 +16,8 @@ import plotly.io as pio
 from fsdp_doctor import memory_categories as MC
 from msgspec import UNSET
 
-from fsdp_doctor.present.fmt import (UNKNOWN, RANKS_SHOWN, ranks_shown, ranks_shown_words, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, unit_label,
-                                     verdict_share, verdict_steps, verdict_title)
+from fsdp_doctor.present.fmt import (UNKNOWN, RANKS_SHOWN, VERDICT_SEGMENTS, fmt_bytes, fmt_ms, ranks_shown,
+                                     ranks_shown_words, unit_label, verdict_share, verdict_steps, verdict_title)
 from fsdp_doctor.report_sections import (CommUnitRow, MemoryPeakAt, MemoryRank, MemorySection, OverlapRank,
                                          StepsSection, UnitRow, Verdict)
 from fsdp_doctor.units import runs

@@ -707,6 +707,28 @@ class LevelShiftRule(Rule):
             text, ranks=ranks)
 
 
+_STRAGGLER_WHERE = {"outside": "outside the model (data loading or user code)", "forward": "forward compute",
+                    "backward": "backward compute", "optimizer": "the optimizer step"}
+
+
+def _straggler_groups(stragglers: list, hosts: dict[int, str]) -> list[list]:
+    """The stragglers, those on one host together (every straggler one group where no host is recorded, or where
+    every rank's is the same), each group in rank order. A slow node's ranks are late together: a 16-rank run whose
+    4 ranks of one host loaded their batches 150 ms late read four warnings, one per rank."""
+    many = len(set(hosts.values())) > 1
+    groups: dict[str, list] = {}
+    for s in sorted(stragglers, key=lambda s: s.rank):
+        groups.setdefault(hosts.get(s.rank, "") if many else "", []).append(s)
+    return list(groups.values())
+
+
+def _ranks_words(ranks: list[int]) -> str:
+    """"ranks 12–15", "ranks 3, 7": ranks named, each run of consecutive ones as a range."""
+    from ...units import runs
+
+    return "ranks " + ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs(sorted(ranks)))
+
+
 @register
 class Straggler(Rule):
     code = "straggler.rank"
@@ -718,11 +740,16 @@ class Straggler(Rule):
     def match(self, ctx: Context):
         out = []
         steps = E.steps(ctx)
-        for s in steps.stragglers:
+        hosts = {r: rd.header.host for r, rd in (getattr(ctx.run, "ranks", None) or {}).items()
+                 if rd.header is not None and rd.header.host}
+        for group in _straggler_groups(steps.stragglers, hosts):
+            if len(group) > 1:
+                out.append(self._group(group, steps, hosts))
+                continue
+            s = group[0]
             st = steps.per_rank.get(str(s.rank))
             p50 = st.p50_ms if st is not None else None
-            where = {"outside": "outside the model (data loading or user code)", "forward": "forward compute",
-                     "backward": "backward compute", "optimizer": "the optimizer step"}[s.phase]
+            where = _STRAGGLER_WHERE[s.phase]
             dev = s.device_wait_ms_per_step
             seen = "" if dev is None else (
                 f"On the GPU their hosts do not wait (the collectives are asynchronous): their devices wait "
@@ -751,3 +778,44 @@ class Straggler(Rule):
                               f"{100 * STRAGGLER_MIN_FRACTION:.0f}% and {STRAGGLER_MIN_MS:g} ms in "
                               f"{100 * STRAGGLER_MIN_CONSISTENCY:.0f}% of the steps (at least {STRAGGLER_MIN_STEPS})")
         return out
+
+    def _group(self, group: list, steps, hosts: dict[int, str]):
+        """Several stragglers on one host (or in a run on one host): one finding naming them, the whole host where
+        they are all its ranks; the step gains the longest lateness (the others wait for the latest of them)."""
+        ranks = [s.rank for s in group]
+        who = _ranks_words(ranks)
+        host = hosts.get(ranks[0])
+        on_host = sorted(r for r, h in hosts.items() if h == host) if host and len(set(hosts.values())) > 1 else []
+        whole = bool(on_host) and on_host == ranks
+        phases = sorted({s.phase for s in group}, key=list(_STRAGGLER_WHERE).index)
+        where = " and ".join(_STRAGGLER_WHERE[ph] for ph in phases)
+        lo, hi = min(s.excess_ms_per_step for s in group), max(s.excess_ms_per_step for s in group)
+        excess = f"+{hi:.1f}" if f"{lo:.1f}" == f"{hi:.1f}" else f"+{lo:.1f}-{hi:.1f}"
+        p50s = [st.p50_ms for s in group if (st := steps.per_rank.get(str(s.rank))) is not None and st.p50_ms]
+        p50 = max(p50s) if p50s else None
+        dev = [s.device_wait_ms_per_step for s in group if s.device_wait_ms_per_step is not None]
+        place = (f" (all {len(ranks)} ranks of host {host})" if whole else
+                 f" (on host {host}, of its {len(on_host)} ranks)" if on_host else "")
+        text = (f"Every other rank waits for {who}{place} at the next collective, for the latest of them. "
+                + (f"All of host {host}'s ranks are late, and no other: look at that host first (other processes, "
+                   "thermal throttling, a slower device or network link, its local storage or data loading), then "
+                   "at what its ranks' data shards hold. " if whole else
+                   f"Look at what differs on those ranks in {where}: their host (other processes, thermal "
+                   "throttling, a slower device), their data shards (longer sequences, slower storage) or "
+                   "rank-specific code. ")
+                + "Move that work off the step or balance the shards; the step gains the latest one's lateness "
+                "only once all of them are on time. What differs is in your code and on your hosts, which the doctor "
+                "does not see: no code is offered.")
+        return self.finding(
+            "warning",
+            f"{who[0].upper()}{who[1:]} are stragglers{place}: {excess} ms per step "
+            + ("" if phases == ["outside"] else "in ") + where,
+            {"ranks": ranks, "host": host or None, "host_ranks": on_host or None,
+             "phases": phases, "excess_ms_per_step": {str(s.rank): s.excess_ms_per_step for s in group},
+             "steps_slower": {str(s.rank): f"{s.steps_slower} of {s.steps}" for s in group},
+             "measured_by": "device" if dev else "host",
+             "others_device_wait_ms_per_step": max(dev) if dev else None},
+            text, "",
+            predicted={"step_ms_before": p50, "step_ms_after": round(p50 - hi, 3) if p50 else None,
+                       "peak_bytes_before": None, "peak_bytes_after": None},
+            ranks=ranks)
