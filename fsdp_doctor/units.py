@@ -108,12 +108,16 @@ def runs(xs: list[int]) -> list[tuple[int, int]]:
     return out
 
 
+def ranges_text(xs) -> str:
+    """"2–3, 7–8, 11": distinct integers in order, each run of consecutive ones as a range (a range over a gap would
+    name numbers that were not there)."""
+    return ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs(sorted({int(x) for x in xs})))
+
+
 def steps_phrase(steps) -> str:
-    """"step 6", "steps 6–7", "steps 2–3, 7–8": the steps named, each run of consecutive ones as a range (a range
-    over a gap would name steps that were not there)."""
-    xs = sorted({int(s) for s in steps})
-    text = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs(xs))
-    return f"step{'s' * (len(xs) > 1)} {text}"
+    """"step 6", "steps 6–7", "steps 2–3, 7–8": the steps named (``ranges_text``)."""
+    n = len({int(s) for s in steps})
+    return f"step{'s' * (n > 1)} {ranges_text(steps)}"
 
 
 def shift_at(shift) -> str:

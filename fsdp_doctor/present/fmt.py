@@ -19,7 +19,7 @@ from ..report_sections import (FIX_LANGUAGES, FIX_PLACES, Blocking, Breakdown, C
 from ..trace.model import OTHER_UNIT
 from ..units import (CODE_WIDTH, MISSING, ROOT_LABEL, RUN_END_TAIL, WRAPPER_SEGMENTS, fit_comments, fmt_bw, fmt_bytes, fmt_list,  # noqa: F401  (re-exported)
                      fmt_mesh, fmt_ms, fmt_pct, fmt_share, evidence_label, evidence_labels, evidence_rows, fmt_us,
-                     fmt_value, memory_peak_where, module_path, printable, ranks_phrase, runs, shift_at,
+                     fmt_value, memory_peak_where, module_path, printable, ranges_text, ranks_phrase, shift_at,
                      steps_phrase, unit_label)
 
 
@@ -60,9 +60,7 @@ def folded_problems(problems: list[str], least: int = 3) -> list[str]:
         if len(members) < least:
             out += [p for _, p in members]
             continue
-        rest = sorted(r for r, _ in members[1:])
-        ranges = ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs(rest))
-        out.append(f"{members[0][1]} (the same for ranks {ranges})")
+        out.append(f"{members[0][1]} (the same for ranks {ranges_text(r for r, _ in members[1:])})")
     return out
 
 

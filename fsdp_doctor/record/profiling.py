@@ -214,16 +214,16 @@ class ProfilerWindows:
     def _maybe_open(self, step: int) -> None:
         if self.is_open or self.stepped_aside or self.action(step) == ProfilerAction.NONE:
             return
-        if self.dry:
-            self._dry_open, self._opened_at = True, step
-            return
         other = ("another fsdp_doctor.watch() in this process records profiler windows (a nested watch(): one "
                  "profiler per process)" if any(w is not self and w.prof is not None for w in list(_LIVE))
                  else other_profiler())
         if other is not None:  # the user profiles this run: leave it to them for the rest of the run
-            self.stepped_aside = other
+            self.stepped_aside = other  # (a dry rank too, as the traced ranks beside it do)
             log.warning("fsdp_doctor: %s on rank %s; the doctor records no profiler windows in this run so as "
                         "not to disturb it (everything else is recorded)", other, self.rank)
+            return
+        if self.dry:
+            self._dry_open, self._opened_at = True, step
             return
         tracker = _step_tracker()
         self._owns_tracker_key = tracker is not None and _PROFILER_STEP_NAME not in tracker

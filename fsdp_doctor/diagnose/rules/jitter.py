@@ -16,7 +16,7 @@ from ...report_sections import StepStats
 from .. import estimate as E
 from .. import snippets as S
 from ..base import Context, Rule, register
-from ...units import fmt_ms, fmt_share, shift_at
+from ...units import fmt_ms, fmt_share, ranges_text, shift_at
 
 # GC pauses that take this share of total step time are worth acting on (gc.freeze / fewer cycles).
 GC_SHARE_MIN = 0.03
@@ -722,13 +722,6 @@ def _straggler_groups(stragglers: list, hosts: dict[int, str]) -> list[list]:
     return list(groups.values())
 
 
-def _ranks_words(ranks: list[int]) -> str:
-    """"ranks 12–15", "ranks 3, 7": ranks named, each run of consecutive ones as a range."""
-    from ...units import runs
-
-    return "ranks " + ", ".join(str(a) if a == b else f"{a}–{b}" for a, b in runs(sorted(ranks)))
-
-
 @register
 class Straggler(Rule):
     code = "straggler.rank"
@@ -783,7 +776,7 @@ class Straggler(Rule):
         """Several stragglers on one host (or in a run on one host): one finding naming them, the whole host where
         they are all its ranks; the step gains the longest lateness (the others wait for the latest of them)."""
         ranks = [s.rank for s in group]
-        who = _ranks_words(ranks)
+        who = "ranks " + ranges_text(ranks)
         host = hosts.get(ranks[0])
         on_host = sorted(r for r, h in hosts.items() if h == host) if host and len(set(hosts.values())) > 1 else []
         whole = bool(on_host) and on_host == ranks
