@@ -212,3 +212,24 @@ def test_a_slow_hosts_stragglers_are_one_finding():
     # one host for every rank: the stragglers together, no host named
     (c,) = _straggler_findings({3: 50.0, 9: 50.0}, {r: "vm" for r in range(16)})
     assert c.title == "Ranks 3, 9 are stragglers: +50.0 ms per step outside the model (data loading or user code)"
+
+
+def test_a_step_one_rank_left_out_stays_in_the_others_straggler_comparison():
+    """16 ranks, each leaving out one step of its own (counted op by op: its step's time is the tool's), every step
+    left out by some rank: the steps usable on every rank were none, and the 4 ranks 150 ms late each step went
+    unnamed. A step counts where 3/4 of the ranks can use it, each rank compared on its own usable steps."""
+    from fsdp_doctor.analyze.steps import find_stragglers
+    from fsdp_doctor.records import MemoryStep, StepRecord
+    from fsdp_doctor.store.reader import RankData, Run
+
+    run = Run(path="constructed")
+    for r in range(16):
+        late = 150.0 if r >= 12 else 0.0
+        steps = [StepRecord(rank=r, step=i, start_ns=0, wall_ms=500.0 + late + (i % 3), forward_ms=200.0,
+                            backward_ms=290.0, outside_ms=1.0 + late,
+                            memory=MemoryStep(transients="exact" if i == 1 + r % 15 else "replayed"))
+                 for i in range(17)]
+        run.ranks[r] = RankData(rank=r, steps=steps)
+    found = find_stragglers(run)
+    assert sorted(s.rank for s in found) == [12, 13, 14, 15], found
+    assert all(s.phase == "outside" and 145 < s.excess_ms_per_step < 155 for s in found), found

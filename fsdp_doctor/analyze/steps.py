@@ -4,6 +4,7 @@ known only from its traces, over the complete profiler steps)."""
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -36,6 +37,10 @@ SHIFT_DRIFT_SHARE = 0.5
 STRAGGLER_MIN_FRACTION = 0.15  # under 15% ranks differ by noise and placement on a shared host
 STRAGGLER_MIN_MS = 1.0  # ... and by at least a millisecond, below which timer noise dominates
 STRAGGLER_MIN_STEPS = 5  # too few steps say nothing about consistency
+# a step counts in the stragglers' comparison where this share of the ranks can use it (find_stragglers): one rank's
+# own left-out steps (a compile, a forced full memory count) on any of a large job's ranks no longer take the step
+# from every rank
+STRAGGLER_STEP_QUORUM = 0.75
 # ... in at least this share of steps.
 STRAGGLER_MIN_CONSISTENCY = 0.75  # 3 of 5 steps happens by chance on a shared host
 
@@ -698,10 +703,15 @@ def find_stragglers(run: Run) -> list[Straggler]:
     if len(by_rank) < 2:
         return []
     common = sorted(set.intersection(*(set(d) for d in by_rank.values())))
-    if len(common) < STRAGGLER_MIN_STEPS:
+    # a step one rank left out (its own instrumented step: a compile, a forced full memory count) stays in the others'
+    # comparison: a step counts where STRAGGLER_STEP_QUORUM of the ranks can use it, each rank compared on its own
+    # usable ones with those of the others (the device's waits want every rank's: those from the common steps)
+    need = max(2, math.ceil(STRAGGLER_STEP_QUORUM * len(by_rank)))
+    shared = sorted(st for st in set().union(*by_rank.values()) if sum(st in d for d in by_rank.values()) >= need)
+    if len(shared) < STRAGGLER_MIN_STEPS:
         return []
-    host = {r: {st: own_ms(d[st]) for st in common} for r, d in by_rank.items()}
-    waits = device_waits(run, by_rank, common)
+    host = {r: {st: own_ms(d[st]) for st in shared if st in d} for r, d in by_rank.items()}
+    waits = device_waits(run, by_rank, common) if len(common) >= STRAGGLER_MIN_STEPS else None
     own = None if waits is None else {o: {st: host[o][st] - waits[o][st] for st in common} for o in by_rank}
     out = []
     for r in by_rank:
@@ -725,12 +735,14 @@ def _straggler(r, own: dict, phase_ms, margin) -> Optional[Straggler]:
     ``margin(theirs, step)`` (and STRAGGLER_MIN_MS) in STRAGGLER_MIN_CONSISTENCY of the steps, and in the medians
     over the steps (``margin(theirs, None)``); its phase is the one (``phase_ms(rank, step)``: {phase: ms}) it
     exceeds the others' median in most."""
-    common = sorted(own[r])
-    others = [o for o in own if o != r]
+    common = [st for st in sorted(own[r]) if any(st in own[o] for o in own if o != r)]
+    if len(common) < STRAGGLER_MIN_STEPS:
+        return None
     slower = 0
     excess_phase = dict.fromkeys(_PHASES, 0.0)
     own_r, own_o = [], []
     for st in common:
+        others = [o for o in own if o != r and st in own[o]]  # (the ranks that could use the step too)
         mine = own[r][st]
         theirs = statistics.median([own[o][st] for o in others])
         own_r.append(mine)
