@@ -37,12 +37,12 @@ SHIFT_DRIFT_SHARE = 0.5
 STRAGGLER_MIN_FRACTION = 0.15  # under 15% ranks differ by noise and placement on a shared host
 STRAGGLER_MIN_MS = 1.0  # ... and by at least a millisecond, below which timer noise dominates
 STRAGGLER_MIN_STEPS = 5  # too few steps say nothing about consistency
+# ... in at least this share of steps.
+STRAGGLER_MIN_CONSISTENCY = 0.75  # 3 of 5 steps happens by chance on a shared host
 # a step counts in the stragglers' comparison where this share of the ranks can use it (find_stragglers): one rank's
 # own left-out steps (a compile, a forced full memory count) on any of a large job's ranks no longer take the step
 # from every rank
 STRAGGLER_STEP_QUORUM = 0.75
-# ... in at least this share of steps.
-STRAGGLER_MIN_CONSISTENCY = 0.75  # 3 of 5 steps happens by chance on a shared host
 
 
 def compiling(s: StepRecord) -> bool:
