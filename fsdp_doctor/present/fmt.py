@@ -968,7 +968,7 @@ def trace_memory_rows(section: MemorySection) -> list[tuple[str, ...]]:
     steps, its step, its time from the step's start and the unit and phase it fell in (TRACE_MEMORY_HEADER)."""
     return [(r, fmt_bytes(pr.peak_bytes), MISSING if pr.peak_at.step is None else str(pr.peak_at.step),
              fmt_ms(pr.peak_at.t_ms), memory_peak_where(pr.peak_at).split(", ", 1)[-1])
-            for r, pr in sorted(section.per_rank.items(), key=lambda kv: int(kv[0]) if kv[0].isdigit() else 0)]
+            for r, pr in sorted(section.per_rank.items(), key=lambda kv: rank_order(kv[0]))]
 
 
 TRACE_UNITS_HEADER = ("unit", "fwd", "bwd")
@@ -1012,7 +1012,7 @@ MEMORY_UNITS_HEADER = ("unit", "sharded", "unsharded", "activations (own)", "act
 
 def memory_unit_rows(section: MemorySection) -> tuple[str, list[tuple[str, ...]]]:
     """(rank, rows) of the per-unit memory table on the peak rank (MEMORY_UNITS_HEADER's columns)."""
-    ranks = sorted(section.per_rank, key=lambda r: int(r) if str(r).isdigit() else 0)
+    ranks = sorted(section.per_rank, key=rank_order)
     top_rank = section.peak_rank or ranks[0]
     top = section.per_rank.get(top_rank) or section.per_rank[ranks[0]]
     units = [u for u in top.per_unit if u.activation_bytes is not None or u.sharded_bytes]

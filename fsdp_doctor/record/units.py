@@ -102,7 +102,7 @@ def _module_frames(units: list[Unit], root: nn.Module, tb) -> tuple[list[tuple[s
 
 def _holding_unit(units: list[Unit], name: str) -> Unit | None:
     """The innermost unit whose modules hold the module named ``name`` (the root's, "", holds every one)."""
-    return max((u for u in units for n in u.module_names if not n or name == n or name.startswith(n + ".")),
+    return max((u for u in units for n in u.module_names if name == n or _is_prefix(n, name)),
                key=lambda u: u.depth, default=None)
 
 
